@@ -1,0 +1,175 @@
+"""Build the engine core of one process: model, KV cache, runner, scheduler.
+
+    core, info = build_engine_core(EngineConfig(model="path/to/ckpt"))
+
+Start-up decisions, all made once here:
+- device: --device auto -> cuda when available, else cpu;
+- dtype: --dtype auto -> float32 on CPU, the checkpoint's float16/bfloat16
+  on CUDA (bfloat16 when it says float32 or nothing);
+- attention backend: --attention-backend, else flashinfer on CUDA (torch
+  when flashinfer is not importable), torch elsewhere;
+- KV cache: num_gpu_blocks_override, else --kv-cache-memory GiB on CPU,
+  else a GPU memory budget (see runner.kv_cache.cuda_num_blocks);
+- max_num_batched_tokens: the flag, else a per-device default;
+- max_model_len = min(--max-model-len, the model's max_position_embeddings,
+  the KV cache's capacity in tokens).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from runner.attention import default_backend_name, get_backend_cls
+from runner.kv_cache import KVCacheSpec, determine_num_blocks
+from runner.model_runner import ModelRunner
+from scheduler.config import ConfigError, EngineConfig, SchedulerConfig, resolve_model
+from scheduler.engine_core import EngineCore
+from scheduler.types import EngineInfo
+
+logger = logging.getLogger(__name__)
+
+# Tokens per step when --max-num-batched-tokens is not given: on a CPU a
+# smaller step keeps decode latency bounded while a long prompt prefills.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 1024, "cuda": 8192}
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: str | None = None) -> torch.dtype:
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32
+    if checkpoint_dtype in ("float16", "bfloat16"):
+        return _DTYPES[checkpoint_dtype]
+    return torch.bfloat16
+
+
+def _checkpoint_dtype(source) -> str | None:
+    """The checkpoint's torch_dtype, when a config can be read cheaply."""
+    try:
+        from models.loader import load_hf_config
+    except ImportError:
+        return None
+    try:
+        hf = load_hf_config(source)
+    except Exception:  # the loader reports real problems when it loads
+        return None
+    dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def _pick_backend(config: EngineConfig, device: torch.device, dtype: torch.dtype):
+    name = config.attention_backend or default_backend_name(device)
+    if name == "flashinfer" and device.type != "cuda":
+        raise ConfigError("--attention-backend flashinfer needs --device cuda; use --attention-backend torch")
+    try:
+        cls = get_backend_cls(name)
+    except ValueError as exc:
+        if config.attention_backend is not None:  # asked for explicitly: fail
+            raise ConfigError(str(exc)) from exc
+        logger.warning("%s; falling back to the torch attention backend", exc)
+        cls = get_backend_cls("torch")
+    return cls(device, dtype)
+
+
+def build_engine_core(config: EngineConfig) -> tuple[EngineCore, EngineInfo]:
+    """Everything the engine-core process serves with. Raises ConfigError
+    (naming the flag) for a misconfiguration."""
+    from models.loader import load_model  # heavy imports only in the engine process
+
+    device = resolve_device(config.device)
+    source = resolve_model(config.model, config.load_format)
+    dtype = resolve_dtype(config.dtype, device, _checkpoint_dtype(source) if device.type == "cuda" else None)
+    torch.manual_seed(config.seed)
+    model, model_config = load_model(source, config.load_format, dtype, device)
+    model.eval()
+    logger.info("loaded %s (%s) on %s as %s", source.name, model_config.architecture, device, dtype)
+
+    backend = _pick_backend(config, device, dtype)
+    spec = KVCacheSpec(
+        num_layers=model_config.num_layers,
+        num_kv_heads=model_config.num_kv_heads,
+        head_dim=model_config.head_dim,
+        block_size=config.block_size,
+        dtype=dtype,
+    )
+    num_blocks = determine_num_blocks(config, spec, device)
+    max_model_len = _max_model_len(config, model_config, num_blocks)
+    max_num_batched_tokens = config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS.get(device.type, 1024)
+
+    kv_caches = spec.allocate(num_blocks, device)
+    runner = ModelRunner(
+        model,
+        kv_caches,
+        backend,
+        block_size=config.block_size,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max_num_batched_tokens,
+        device=device,
+        eos_token_ids=model_config.eos_token_ids,
+        seed=config.seed,
+    )
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        block_size=config.block_size,
+        enable_prefix_caching=config.enable_prefix_caching,
+        enable_chunked_prefill=True,
+    )
+    core = EngineCore(scheduler_config, runner, num_blocks)
+    info = EngineInfo(
+        model=config.served_model_name or source.name,
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        max_model_len=max_model_len,
+        block_size=config.block_size,
+        num_blocks=num_blocks,
+        max_num_seqs=config.max_num_seqs,
+        vocab_size=model_config.vocab_size,
+    )
+    logger.info(
+        "engine ready: max_model_len=%d, max_num_batched_tokens=%d, %d KV blocks of %d, backend=%s",
+        max_model_len, max_num_batched_tokens, num_blocks, config.block_size, backend.name,
+    )
+    return core, info
+
+
+def _max_model_len(config: EngineConfig, model_config, num_blocks: int) -> int:
+    model_max = model_config.max_position_embeddings
+    kv_tokens = num_blocks * config.block_size
+    limits = {"the model's max_position_embeddings": model_max, "the KV cache capacity": kv_tokens}
+    # The torch backend attends over the full context; cap at a sliding window
+    # so every position stays inside it (exact, no window mask needed).
+    if model_config.sliding_window:
+        limits["the model's sliding_window"] = model_config.sliding_window
+    wanted = config.max_model_len or model_max
+    max_model_len = min(wanted, *limits.values())
+    if max_model_len < wanted:
+        why = min(limits, key=limits.get)
+        if config.max_model_len is not None:
+            logger.warning("--max-model-len %d lowered to %d by %s", wanted, max_model_len, why)
+        else:
+            logger.info("max_model_len %d (limited by %s)", max_model_len, why)
+    return max_model_len

@@ -1,0 +1,238 @@
+"""ModelRunner: runs one SchedulerOutput on one device.
+
+    execute(sched_out):
+        apply the diff to the persistent batch (drop finished, add new,
+        extend cached), prepare the flat inputs with numpy, build the
+        backend's attention metadata, run the model inside the forward
+        context, compute logits at the tokens that sample, sample, append
+        the sampled tokens to the batch, return a RunnerOutput.
+
+The step's requests are in `num_scheduled_tokens` order; request i owns the
+flat tokens query_start_loc[i]:query_start_loc[i+1].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from models.forward_context import ForwardContext, forward_context
+from runner.attention import AttentionInputs, RunnerAttentionBackend
+from runner.input_batch import CpuGpuBuffer, InputBatch
+from runner.sampler import Sampler, SamplingMetadata, make_logprobs
+from scheduler.types import EMPTY_RUNNER_OUTPUT, Logprob, RunnerOutput, SchedulerOutput
+
+# prompt logprobs: compute logits for at most this many positions at once
+_PROMPT_LOGITS_CHUNK = 256
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class StepInputs:
+    """This step's prepared inputs (device tensors unless suffixed _cpu / numpy)."""
+
+    req_ids: list[str]  # step order
+    rows: np.ndarray  # [num_reqs] batch row of each request
+    num_scheduled: np.ndarray  # [num_reqs] int32
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    attn: AttentionInputs
+    sample_reqs: np.ndarray  # [num_sampling] indices into req_ids of requests that sample
+    logits_indices: torch.Tensor  # [num_sampling] int64, their last flat token
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        kv_caches: list[torch.Tensor],
+        backend: RunnerAttentionBackend,
+        *,
+        block_size: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        device: torch.device,
+        eos_token_ids: tuple[int, ...] = (),
+        seed: int = 0,
+        logprobs_mode: str = "processed",
+    ):
+        self.model = model
+        self.kv_caches = kv_caches  # one per layer: [num_blocks, 2, block_size, num_kv_heads, head_dim]
+        self.backend = backend
+        self.device = device
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_blocks_per_req = cdiv(max_model_len, block_size)
+
+        self.batch = InputBatch(max_num_seqs, max_model_len, self.max_blocks_per_req, device)
+        self.sampler = Sampler(eos_token_ids, device, seed=seed, logprobs_mode=logprobs_mode)
+
+        # Step buffers, refilled from the batch every step.
+        self.input_ids = CpuGpuBuffer(max_num_batched_tokens, dtype=torch.int64, device=device)
+        self.positions = CpuGpuBuffer(max_num_batched_tokens, dtype=torch.int64, device=device)
+        self.slot_mapping = CpuGpuBuffer(max_num_batched_tokens, dtype=torch.int64, device=device)
+        self.query_start_loc = CpuGpuBuffer(max_num_seqs + 1, dtype=torch.int32, device=device)
+        self.seq_lens = CpuGpuBuffer(max_num_seqs, dtype=torch.int32, device=device)
+        self.block_table = CpuGpuBuffer(max_num_seqs, self.max_blocks_per_req, dtype=torch.int32, device=device)
+        self.num_computed_tokens_cpu = torch.zeros(max_num_seqs, dtype=torch.int32)
+        self.arange = np.arange(max(max_num_batched_tokens, max_num_seqs) + 1, dtype=np.int64)
+
+    # ------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
+        self._update_batch(sched_out)
+        if sched_out.total_num_scheduled_tokens == 0:
+            return EMPTY_RUNNER_OUTPUT
+
+        step = self._prepare_inputs(sched_out.num_scheduled_tokens)
+        meta = self.backend.build_metadata(step.attn)
+        with forward_context(ForwardContext(self.backend, meta, self.kv_caches)):
+            hidden = self.model(step.input_ids, step.positions)  # [num_tokens, hidden]
+
+        prompt_logprobs = self._prompt_logprobs(hidden, step)
+        sample_rows = step.rows[step.sample_reqs]
+        sampled: list[int] = []
+        logprobs = None
+        if sample_rows.size:
+            logits = self.model.compute_logits(hidden[step.logits_indices])  # [num_sampling, vocab]
+            out = self.sampler(logits, SamplingMetadata.from_batch(self.batch, sample_rows))
+            sampled = out.sampled_token_ids.tolist()
+            for row, token_id in zip(sample_rows.tolist(), sampled):
+                self.batch.append_token(row, token_id)
+            if out.logprobs is not None:
+                logprobs = [None] * len(step.req_ids)
+                for i, lp in zip(step.sample_reqs.tolist(), out.logprobs):
+                    logprobs[i] = lp
+
+        sampled_token_ids: list[list[int]] = [[] for _ in step.req_ids]
+        for i, token_id in zip(step.sample_reqs.tolist(), sampled):
+            sampled_token_ids[i] = [token_id]
+        return RunnerOutput(
+            req_ids=step.req_ids,
+            sampled_token_ids=sampled_token_ids,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    # ------------------------------------------------------------------
+    def _update_batch(self, sched_out: SchedulerOutput) -> None:
+        batch = self.batch
+        for req_id in sched_out.finished_req_ids:
+            batch.remove_request(req_id)  # unknown ids are ignored
+        for req in sched_out.scheduled_new_reqs:
+            batch.add_request(req)
+        cached = sched_out.scheduled_cached_reqs
+        for req_id, new_block_ids, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
+        ):
+            batch.update_request(req_id, new_block_ids, num_computed)
+        batch.condense()
+
+    def _prepare_inputs(self, num_scheduled_tokens: dict[str, int]) -> StepInputs:
+        batch = self.batch
+        req_ids = list(num_scheduled_tokens)
+        num_reqs = len(req_ids)
+        rows = np.fromiter((batch.row_of(r) for r in req_ids), dtype=np.int64, count=num_reqs)
+        num_scheduled = np.fromiter(num_scheduled_tokens.values(), dtype=np.int64, count=num_reqs)
+        # num_scheduled=[2, 3] -> cu_num_scheduled=[2, 5], num_tokens=5
+        cu_num_scheduled = np.cumsum(num_scheduled)
+        num_tokens = int(cu_num_scheduled[-1])
+        if num_tokens > self.max_num_batched_tokens:
+            raise ValueError(f"{num_tokens} tokens scheduled, more than max_num_batched_tokens={self.max_num_batched_tokens}")
+
+        # num_scheduled=[2, 3] -> req_indices=[0, 0, 1, 1, 1], offsets=[0, 1, 0, 1, 2]
+        req_indices = np.repeat(self.arange[:num_reqs], num_scheduled)
+        offsets = self.arange[:num_tokens] - np.repeat(cu_num_scheduled - num_scheduled, num_scheduled)
+        num_computed = batch.num_computed_tokens[rows].astype(np.int64)
+        seq_lens = num_computed + num_scheduled
+        if (seq_lens > batch.num_tokens[rows]).any():
+            bad = req_ids[int(np.argmax(seq_lens > batch.num_tokens[rows]))]
+            raise ValueError(f"request {bad!r} is scheduled past the tokens the runner holds for it")
+
+        # num_computed=[5, 0] -> positions=[5, 6, 0, 1, 2]
+        positions = self.positions.np[:num_tokens]
+        np.add(num_computed[req_indices], offsets, out=positions)
+        token_rows = rows[req_indices]
+        self.input_ids.np[:num_tokens] = batch.token_ids[token_rows, positions]
+        # slot = block_table[pos // block_size] * block_size + pos % block_size
+        # block_size=4, blocks=[7, 2], pos=5 -> 2 * 4 + 1 = 9
+        bs = self.block_size
+        block_ids = batch.block_table.table.np[token_rows, positions // bs]
+        np.add(block_ids * bs, positions % bs, out=self.slot_mapping.np[:num_tokens])
+
+        self.query_start_loc.np[0] = 0
+        self.query_start_loc.np[1 : num_reqs + 1] = cu_num_scheduled
+        self.seq_lens.np[:num_reqs] = seq_lens
+        self.num_computed_tokens_cpu.numpy()[:num_reqs] = num_computed
+        self.block_table.np[:num_reqs] = batch.block_table.table.np[rows]
+
+        # A request samples iff this step reaches its last token (partial
+        # prefill chunks do not): logits at its last flat token.
+        sample_reqs = np.flatnonzero(seq_lens == batch.num_tokens[rows])
+        logits_indices = torch.from_numpy(cu_num_scheduled[sample_reqs] - 1).to(self.device)
+
+        attn = AttentionInputs(
+            num_reqs=num_reqs,
+            num_tokens=num_tokens,
+            max_query_len=int(num_scheduled.max()),
+            max_seq_len=int(seq_lens.max()),
+            block_size=bs,
+            query_start_loc_cpu=self.query_start_loc.cpu[: num_reqs + 1],
+            seq_lens_cpu=self.seq_lens.cpu[:num_reqs],
+            num_computed_tokens_cpu=self.num_computed_tokens_cpu[:num_reqs],
+            block_table_cpu=self.block_table.cpu[:num_reqs],
+            query_start_loc=self.query_start_loc.copy_to_gpu(num_reqs + 1),
+            seq_lens=self.seq_lens.copy_to_gpu(num_reqs),
+            block_table=self.block_table.copy_to_gpu(num_reqs),
+            slot_mapping=self.slot_mapping.copy_to_gpu(num_tokens),
+        )
+        return StepInputs(
+            req_ids=req_ids,
+            rows=rows,
+            num_scheduled=num_scheduled,
+            input_ids=self.input_ids.copy_to_gpu(num_tokens),
+            positions=self.positions.copy_to_gpu(num_tokens),
+            attn=attn,
+            sample_reqs=sample_reqs,
+            logits_indices=logits_indices,
+        )
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, step: StepInputs) -> dict[str, list[Logprob]] | None:
+        """Logprobs of the prompt tokens this step's chunks predict, from the
+        model's raw logits: the token at position p is scored by the logits at
+        p - 1, so a chunk over positions [c, c + n) scores prompt tokens
+        c + 1 .. min(c + n, num_prompt - 1). Accumulated in the batch; handed
+        out in the step that finishes the prefill."""
+        batch = self.batch
+        if not batch.prompt_logprobs:
+            return None
+        done: dict[str, list[Logprob]] = {}
+        qsl = self.query_start_loc.np
+        sampling = set(step.sample_reqs.tolist())
+        for i, req_id in enumerate(step.req_ids):
+            acc = batch.prompt_logprobs.get(req_id)
+            if acc is None:
+                continue
+            row = int(step.rows[i])
+            start_pos = int(batch.num_computed_tokens[row])
+            num_prompt = int(batch.num_prompt_tokens[row])
+            end_target = min(start_pos + int(step.num_scheduled[i]), num_prompt - 1)  # last scored position
+            num_top = int(batch.sampling.num_prompt_logprobs[row])
+            for lo in range(start_pos + 1, end_target + 1, _PROMPT_LOGITS_CHUNK):
+                hi = min(lo + _PROMPT_LOGITS_CHUNK, end_target + 1)  # targets lo..hi-1
+                flat = torch.arange(hi - lo, device=hidden.device) + int(qsl[i]) + (lo - 1 - start_pos)
+                lp = torch.log_softmax(self.model.compute_logits(hidden[flat]).float(), dim=-1)
+                targets = torch.from_numpy(batch.token_ids[row, lo:hi].astype(np.int64)).to(lp.device)
+                acc.extend(make_logprobs(lp, targets, [num_top] * (hi - lo)))
+            if i in sampling:
+                done[req_id] = batch.prompt_logprobs.pop(req_id)
+        return done or None

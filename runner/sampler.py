@@ -1,0 +1,276 @@
+"""Batched sampling over the rows that sample this step.
+
+Order of operations on the logits (float32, [num_rows, vocab]):
+ 1. logit_bias                          (OpenAI: added to the logit)
+ 2. min_tokens                          (EOS unless ignore_eos, and stop_token_ids -> -inf
+                                         while fewer than min_tokens outputs)
+ 3. repetition penalty                  (HF/vLLM: over prompt + output tokens, positive
+                                         logits divided by it, negative multiplied)
+ 4. frequency / presence penalties      (OpenAI: over output tokens,
+                                         logit -= freq * count + presence * (count > 0))
+    -> logprobs are taken HERE by default ("processed": after penalties,
+       bias and min_tokens, before temperature/top-k/top-p/min-p);
+       logprobs_mode="raw" takes them from the model's logits instead.
+ 5. greedy rows (temperature ~ 0, or top_k == 1): argmax, done
+ 6. temperature, top-k, top-p, min-p, then a draw.
+
+The draw is argmax(probs / E) with E ~ Exp(1) i.i.d. per vocab entry, which
+samples exactly from probs. E for a seeded row comes from its own generator,
+seeded from (seed, number of tokens it has generated so far), so the row's
+tokens do not depend on what else is in the batch and survive preemption;
+unseeded rows share one generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from runner.input_batch import InputBatch, SamplingColumns
+from scheduler.types import Logprob
+
+_MASK64 = (1 << 64) - 1
+_GREEDY_EPS = 1e-5  # temperature below this is greedy, as SamplingParams.greedy
+
+
+def step_seed(seed: int, num_generated: int) -> int:
+    """A well-mixed 64-bit seed for (request seed, output position) (splitmix64)."""
+    x = (seed + 0x9E3779B97F4A7C15 * (num_generated + 1)) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+@dataclass
+class SamplingMetadata:
+    """The rows sampling this step, in the order of the logits rows."""
+
+    params: SamplingColumns  # numpy columns, one entry per row
+    num_prompt_tokens: np.ndarray  # [num_rows] int32
+    num_tokens: np.ndarray  # [num_rows] int32, prompt + outputs so far
+    token_ids: np.ndarray  # [num_rows, max(num_tokens)] int32, valid up to num_tokens
+
+    @classmethod
+    def from_batch(cls, batch: InputBatch, rows: np.ndarray) -> "SamplingMetadata":
+        num_tokens = batch.num_tokens[rows]
+        max_len = int(num_tokens.max()) if rows.size else 0
+        return cls(
+            params=batch.sampling.take(rows),
+            num_prompt_tokens=batch.num_prompt_tokens[rows],
+            num_tokens=num_tokens,
+            token_ids=batch.token_ids[rows, :max_len],
+        )
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.num_tokens)
+
+    @property
+    def num_output_tokens(self) -> np.ndarray:
+        return self.num_tokens - self.num_prompt_tokens
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [num_rows] int64
+    logprobs: list[Logprob | None] | None  # None when no row asked
+
+
+class Sampler:
+    def __init__(
+        self,
+        eos_token_ids: list[int] | tuple[int, ...],
+        device: torch.device,
+        seed: int = 0,
+        logprobs_mode: str = "processed",
+    ):
+        if logprobs_mode not in ("processed", "raw"):
+            raise ValueError(f"logprobs_mode must be 'processed' or 'raw', got {logprobs_mode!r}")
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.device = device
+        self.logprobs_mode = logprobs_mode
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """logits: [num_rows, vocab] (any float dtype; worked on in float32)."""
+        p = meta.params
+        logits = logits.float().clone()
+        want_logprobs = p.num_logprobs >= 0
+        logprobs = None
+        if want_logprobs.any() and self.logprobs_mode == "raw":
+            logprobs = torch.log_softmax(logits, dim=-1)
+
+        logits = self.process_logits(logits, meta)
+        if want_logprobs.any() and logprobs is None:
+            logprobs = torch.log_softmax(logits, dim=-1)
+
+        greedy = (p.temperature < _GREEDY_EPS) | (p.top_k == 1)
+        tokens = logits.argmax(dim=-1)
+        random_rows = np.flatnonzero(~greedy)
+        if random_rows.size:
+            idx = _index(random_rows, logits.device)
+            tokens[idx] = self._sample_random(logits[idx], meta, random_rows)
+
+        out_logprobs = None
+        if logprobs is not None:
+            out_logprobs = [None] * meta.num_rows
+            rows = np.flatnonzero(want_logprobs)
+            idx = _index(rows, logits.device)
+            made = make_logprobs(logprobs[idx], tokens[idx], p.num_logprobs[rows].tolist())
+            for row, lp in zip(rows.tolist(), made):
+                out_logprobs[row] = lp
+        return SamplerOutput(tokens, out_logprobs)
+
+    def process_logits(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Steps 1-4 (logit_bias, min_tokens, penalties), in place on
+        float32 logits [num_rows, vocab]; returns them."""
+        self._apply_logit_bias(logits, meta)
+        self._apply_min_tokens(logits, meta)
+        self._apply_penalties(logits, meta)
+        return logits
+
+    # -- logits processors (in place) -------------------------------------
+    def _apply_logit_bias(self, logits: torch.Tensor, meta: SamplingMetadata) -> None:
+        vocab = logits.shape[1]
+        rows, toks, vals = [], [], []
+        for row in np.flatnonzero(meta.params.logit_bias != None).tolist():  # noqa: E711 (object column)
+            for tok, bias in meta.params.logit_bias[row].items():
+                if tok < vocab:
+                    rows.append(row)
+                    toks.append(tok)
+                    vals.append(bias)
+        if rows:
+            idx = (torch.tensor(rows, device=logits.device), torch.tensor(toks, device=logits.device))
+            logits.index_put_(idx, torch.tensor(vals, dtype=logits.dtype, device=logits.device), accumulate=True)
+
+    def _apply_min_tokens(self, logits: torch.Tensor, meta: SamplingMetadata) -> None:
+        p = meta.params
+        vocab = logits.shape[1]
+        rows, toks = [], []
+        for row in np.flatnonzero(meta.num_output_tokens < p.min_tokens).tolist():
+            stop = set(p.stop_token_ids[row])
+            if not p.ignore_eos[row]:
+                stop.update(self.eos_token_ids)
+            for tok in stop:
+                if tok < vocab:
+                    rows.append(row)
+                    toks.append(tok)
+        if rows:
+            logits[torch.tensor(rows, device=logits.device), torch.tensor(toks, device=logits.device)] = float("-inf")
+
+    def _apply_penalties(self, logits: torch.Tensor, meta: SamplingMetadata) -> None:
+        p = meta.params
+        use_rep = p.repetition_penalty != 1.0
+        use_freq_pres = (p.frequency_penalty != 0.0) | (p.presence_penalty != 0.0)
+        if not (use_rep.any() or use_freq_pres.any()):
+            return
+        num_rows, vocab = logits.shape
+        dev = logits.device
+        cols = np.arange(meta.token_ids.shape[1])[None, :]
+        valid = cols < meta.num_tokens[:, None]
+        # token ids, with positions past a row's length sent to a spill column
+        # `vocab` that is dropped: num_tokens=[2], ids=[[5, 7, 0]] -> [[5, 7, V]]
+        ids = np.where(valid & (meta.token_ids < vocab), meta.token_ids, vocab).astype(np.int64)
+        if use_rep.any():
+            seen = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=dev)
+            seen.scatter_(1, torch.from_numpy(ids).to(dev), True)
+            seen = seen[:, :vocab]
+            pen = torch.from_numpy(p.repetition_penalty).to(dev)[:, None]
+            penalised = torch.where(logits > 0, logits / pen, logits * pen)
+            logits.copy_(torch.where(seen, penalised, logits))
+        if use_freq_pres.any():
+            is_output = cols >= meta.num_prompt_tokens[:, None]
+            out_ids = torch.from_numpy(np.where(is_output, ids, vocab)).to(dev)
+            counts = torch.zeros(num_rows, vocab + 1, dtype=logits.dtype, device=dev)
+            counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=logits.dtype))
+            counts = counts[:, :vocab]
+            freq = torch.from_numpy(p.frequency_penalty).to(dev)[:, None]
+            pres = torch.from_numpy(p.presence_penalty).to(dev)[:, None]
+            logits -= freq * counts + pres * (counts > 0).to(logits.dtype)
+
+    # -- random sampling ----------------------------------------------------
+    def _sample_random(self, logits: torch.Tensor, meta: SamplingMetadata, rows: np.ndarray) -> torch.Tensor:
+        """logits: [len(rows), vocab] of the non-greedy rows -> sampled ids [len(rows)]."""
+        p = meta.params
+        dev = logits.device
+        temperature = torch.from_numpy(p.temperature[rows]).to(dev)[:, None]
+        logits = logits / temperature
+
+        top_k = p.top_k[rows]
+        top_p = p.top_p[rows]
+        if (top_k > 0).any() or (top_p < 1.0).any():
+            logits = _top_k_top_p(logits, top_k, top_p)
+        min_p = p.min_p[rows]
+        if (min_p > 0).any():
+            probs = logits.softmax(dim=-1)
+            threshold = torch.from_numpy(min_p).to(dev)[:, None] * probs.max(dim=-1, keepdim=True).values
+            logits = logits.masked_fill(probs < threshold, float("-inf"))
+        probs = logits.softmax(dim=-1)
+
+        noise = torch.empty_like(probs)
+        seeds = p.seed[rows]
+        seeded = np.flatnonzero(seeds != None)  # noqa: E711 (object column)
+        unseeded = np.flatnonzero(seeds == None)  # noqa: E711
+        if unseeded.size:
+            noise[_index(unseeded, dev)] = torch.empty(
+                (unseeded.size, probs.shape[1]), dtype=probs.dtype, device=dev
+            ).exponential_(generator=self.generator)
+        num_out = meta.num_output_tokens[rows]
+        for i in seeded.tolist():
+            gen = torch.Generator(device=dev)
+            gen.manual_seed(step_seed(int(seeds[i]), int(num_out[i])))
+            noise[i].exponential_(generator=gen)
+        return (probs / noise).argmax(dim=-1)
+
+
+def _index(rows: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(rows.astype(np.int64)).to(device)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: np.ndarray, top_p: np.ndarray) -> torch.Tensor:
+    """Mask all but the top_k largest logits (0: no limit), then all but the
+    smallest prefix of the sorted distribution whose mass reaches top_p.
+    probs sorted [0.5, 0.3, 0.2], top_p=0.7 -> keep [0.5, 0.3]."""
+    dev = logits.device
+    vocab = logits.shape[1]
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=dev)[None, :]
+    k = torch.from_numpy(np.where(top_k > 0, np.minimum(top_k, vocab), vocab)).to(dev)[:, None]
+    sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
+    if (top_p < 1.0).any():
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        p = torch.from_numpy(top_p).to(dev)[:, None]
+        drop = (mass_before >= p) & (p < 1.0)
+        drop[:, 0] = False  # the most likely token always stays
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+
+
+def make_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> list[Logprob]:
+    """logprobs: [n, vocab] log-softmaxed; token_ids: [n] the chosen ids;
+    num_top[i]: how many top entries row i wants (0: only the chosen one).
+
+    rank is 1 + the number of tokens strictly more likely than the chosen one.
+    """
+    if logprobs.shape[0] == 0:
+        return []
+    token_ids = token_ids.long()
+    chosen = logprobs.gather(1, token_ids[:, None])  # [n, 1]
+    ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
+    max_top = max(num_top)
+    if max_top > 0:
+        top_lp, top_ids = logprobs.topk(max_top, dim=-1)
+        top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+    chosen_ids, chosen_lp = token_ids.tolist(), chosen[:, 0].tolist()
+    out = []
+    for i, n in enumerate(num_top):
+        ids, lps = [chosen_ids[i]], [chosen_lp[i]]
+        if n > 0:
+            ids += top_ids[i][:n]
+            lps += top_lp[i][:n]
+        out.append(Logprob(token_ids=ids, logprobs=lps, rank=ranks[i]))
+    return out
