@@ -4,8 +4,8 @@
 
 Start-up decisions, all made once here:
 - device: --device auto -> cuda when available, else cpu;
-- dtype: --dtype auto -> float32 on CPU, the checkpoint's float16/bfloat16
-  on CUDA (bfloat16 when it says float32 or nothing);
+- dtype: --dtype auto -> float32 on CPU, the checkpoint's dtype elsewhere
+  (bfloat16 when it names none), as models.loader.resolve_dtype decides;
 - attention backend: --attention-backend, else flashinfer on CUDA (torch
   when flashinfer is not importable), torch elsewhere;
 - KV cache: num_gpu_blocks_override, else --kv-cache-memory GiB on CPU,
@@ -34,48 +34,12 @@ logger = logging.getLogger(__name__)
 # smaller step keeps decode latency bounded while a long prompt prefills.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 1024, "cuda": 8192}
 
-_DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp16": torch.float16,
-}
-
-
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
     return torch.device(device)
-
-
-def resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: str | None = None) -> torch.dtype:
-    if dtype != "auto":
-        return _DTYPES[dtype]
-    if device.type == "cpu":
-        return torch.float32
-    if checkpoint_dtype in ("float16", "bfloat16"):
-        return _DTYPES[checkpoint_dtype]
-    return torch.bfloat16
-
-
-def _checkpoint_dtype(source) -> str | None:
-    """The checkpoint's torch_dtype, when a config can be read cheaply."""
-    try:
-        from models.loader import load_hf_config
-    except ImportError:
-        return None
-    try:
-        hf = load_hf_config(source)
-    except Exception:  # the loader reports real problems when it loads
-        return None
-    dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
-    return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def _pick_backend(config: EngineConfig, device: torch.device, dtype: torch.dtype):
@@ -95,14 +59,16 @@ def _pick_backend(config: EngineConfig, device: torch.device, dtype: torch.dtype
 def build_engine_core(config: EngineConfig) -> tuple[EngineCore, EngineInfo]:
     """Everything the engine-core process serves with. Raises ConfigError
     (naming the flag) for a misconfiguration."""
-    from models.loader import load_model  # heavy imports only in the engine process
+    from models.loader import load_model, parse_dtype  # heavy imports only in the engine process
 
     device = resolve_device(config.device)
     source = resolve_model(config.model, config.load_format)
-    dtype = resolve_dtype(config.dtype, device, _checkpoint_dtype(source) if device.type == "cuda" else None)
     torch.manual_seed(config.seed)
-    model, model_config = load_model(source, config.load_format, dtype, device)
+    # dtype None ("auto") is resolved by the loader: float32 on CPU, the
+    # checkpoint's dtype (bfloat16 if none) elsewhere.
+    model, model_config = load_model(source, config.load_format, parse_dtype(config.dtype), device)
     model.eval()
+    dtype = next(model.parameters()).dtype
     logger.info("loaded %s (%s) on %s as %s", source.name, model_config.architecture, device, dtype)
 
     backend = _pick_backend(config, device, dtype)
