@@ -1,0 +1,224 @@
+"""POST /v1/chat/completions: messages -> chat template -> sequences ->
+a `chat.completion` body or a stream of `chat.completion.chunk` events."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator
+
+from fastapi.responses import JSONResponse, Response
+from starlette.requests import Request
+
+from server.errors import APIError, invalid_field
+from server.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatLogprobToken,
+    ChatLogprobTop,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    UsageInfo,
+    reject_unsupported,
+)
+from server.serving_common import (
+    ClientDisconnected,
+    Sequence,
+    ServingState,
+    TokenText,
+    build_sampling_params,
+    check_context_length,
+    child_params,
+    collect,
+    merge_streams,
+    random_id,
+    run_sequence,
+    split_position,
+    until_disconnect,
+)
+from server.sse import DONE, SSEResponse, sse_event
+
+def messages_for_template(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """OpenAI messages as the plain dicts a chat template reads.
+
+    Content given as parts is joined: [{"type": "text", "text": "a"},
+    {"type": "text", "text": "b"}] -> "a\\nb". Any other part type is a 400
+    naming it, e.g. messages[0].content[1].type.
+    """
+    if not messages:
+        raise invalid_field("messages", "messages must contain at least one message")
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.type != "text":
+                    raise invalid_field(
+                        f"messages[{i}].content[{j}].type",
+                        f"messages[{i}].content[{j}] has type {part.type!r}; only text content parts are supported",
+                    )
+                if part.text is None:
+                    raise invalid_field(f"messages[{i}].content[{j}].text", f"messages[{i}].content[{j}].text is missing")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        if content is None and not m.tool_calls:
+            raise invalid_field(f"messages[{i}].content", f"messages[{i}].content is missing")
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+        if m.name is not None:
+            msg["name"] = m.name
+        if m.tool_calls is not None:
+            msg["tool_calls"] = m.tool_calls
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        out.append(msg)
+    return out
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool) -> tuple[str | None, list[int]]:
+    """Apply the chat template; returns (prompt text if known, token ids)."""
+    try:
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=None)
+    except APIError:
+        raise
+    except Exception as e:  # a template that raises (e.g. "roles must alternate") is the user's 400
+        raise invalid_field("messages", f"messages could not be rendered with the chat template: {e}") from None
+    if isinstance(rendered, str):
+        return rendered, list(tokenizer.encode(rendered, add_special_tokens=False))
+    return None, list(rendered)
+
+
+def chat_logprobs(token_text: TokenText, logprobs: list[dict[int, Any]], top_n: int) -> ChatLogprobs:
+    content = []
+    for position in logprobs:
+        sampled_id, sampled_lp, top = split_position(position, top_n)
+        text, data = token_text(sampled_id)
+        content.append(
+            ChatLogprobToken(
+                token=text,
+                logprob=sampled_lp,
+                bytes=data,
+                top_logprobs=[ChatLogprobTop(token=token_text(t)[0], logprob=v, bytes=token_text(t)[1]) for t, v in top],
+            )
+        )
+    return ChatLogprobs(content=content)
+
+
+class ChatHandler:
+    def __init__(self, state: ServingState):
+        self.state = state
+
+    async def __call__(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        state = self.state
+        reject_unsupported(req)
+        state.check_model(req.model)
+        state.check_healthy()
+        client = state.client
+
+        messages = messages_for_template(req.messages)
+        prompt_text, prompt_ids = render_chat(state.require_tokenizer("messages"), messages,
+                                              req.add_generation_prompt)
+
+        if req.max_completion_tokens is not None:
+            max_tokens_param, max_tokens = "max_completion_tokens", req.max_completion_tokens
+        else:
+            max_tokens_param, max_tokens = "max_tokens", req.max_tokens
+        max_tokens = check_context_length(
+            len(prompt_ids), max_tokens, state.max_model_len, prompt_param="messages", max_tokens_param=max_tokens_param
+        )
+        if req.top_logprobs is not None and not req.logprobs:
+            raise invalid_field("top_logprobs", "top_logprobs requires logprobs to be true")
+        top_n = req.top_logprobs or 0
+        params = build_sampling_params(
+            req,
+            max_tokens=max_tokens,
+            logprobs=top_n if req.logprobs else None,
+            prompt_logprobs=None,
+            vocab_size=client.info.vocab_size,
+            rename={"logprobs": "top_logprobs", "max_tokens": max_tokens_param},
+        )
+
+        release = state.admission.acquire(req.n)
+        request_id = random_id("chatcmpl")
+        seqs = [
+            Sequence(i, f"{request_id}-{i}", prompt_ids, child_params(params, i), prompt=prompt_text)
+            for i in range(req.n)
+        ]
+        state.metrics.prompt_tokens.inc(len(prompt_ids))
+        created = int(time.time())
+        if req.stream:
+            stream = self._stream(req, request_id, created, seqs, top_n)
+            return SSEResponse(stream, on_close=release)
+        try:
+            await until_disconnect(raw, collect(state, seqs))
+        except ClientDisconnected:
+            return Response(status_code=499)
+        except Exception as e:
+            raise state.error_for(e, request_id) from None
+        finally:
+            release()
+        return JSONResponse(self._response(req, request_id, created, seqs, top_n).model_dump(mode="json"))
+
+    def _response(
+        self, req: ChatCompletionRequest, request_id: str, created: int, seqs: list[Sequence], top_n: int
+    ) -> ChatCompletionResponse:
+        choices = [
+            ChatChoice(
+                index=s.index,
+                message=ChatResponseMessage(content=s.text),
+                logprobs=chat_logprobs(self.state.token_text, s.logprobs, top_n) if req.logprobs else None,
+                finish_reason=s.finish_reason,
+            )
+            for s in seqs
+        ]
+        return ChatCompletionResponse(
+            id=request_id, created=created, model=self.state.served_model_name, choices=choices, usage=_usage(seqs)
+        )
+
+    async def _stream(
+        self, req: ChatCompletionRequest, request_id: str, created: int, seqs: list[Sequence], top_n: int
+    ) -> AsyncIterator[bytes]:
+        state = self.state
+        opts = req.stream_options
+        include_usage = opts is not None and opts.include_usage
+        continuous = include_usage and opts is not None and opts.continuous_usage_stats
+        exclude = None if include_usage else {"usage"}
+
+        def chunk(index: int, delta: ChatDelta, logprobs: ChatLogprobs | None = None,
+                  finish_reason: str | None = None) -> bytes:
+            c = ChatCompletionChunk(
+                id=request_id, created=created, model=state.served_model_name,
+                choices=[ChatStreamChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)],
+                usage=_usage(seqs) if continuous else None,
+            )
+            return sse_event(c, exclude=exclude)
+
+        try:
+            for s in seqs:
+                yield chunk(s.index, ChatDelta(role="assistant", content=""))
+            async for i, delta in merge_streams([run_sequence(state, s) for s in seqs]):
+                lps = None
+                if req.logprobs and delta.logprobs:
+                    lps = chat_logprobs(state.token_text, delta.logprobs, top_n)
+                if delta.text or lps is not None:
+                    yield chunk(i, ChatDelta(content=delta.text or ""), lps)
+                if delta.finish_reason is not None:
+                    yield chunk(i, ChatDelta(), finish_reason=delta.finish_reason)
+            if include_usage:
+                yield sse_event(
+                    ChatCompletionChunk(id=request_id, created=created, model=state.served_model_name,
+                                        choices=[], usage=_usage(seqs))
+                )
+        except Exception as e:
+            yield sse_event(state.error_for(e, request_id).body())
+        yield DONE
+
+
+def _usage(seqs: list[Sequence]) -> UsageInfo:
+    prompt = seqs[0].num_prompt_tokens or len(seqs[0].prompt_token_ids)
+    completion = sum(s.num_output_tokens for s in seqs)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
