@@ -201,8 +201,10 @@ class Sampler:
 
         top_k = p.top_k[rows]
         top_p = p.top_p[rows]
-        if (top_k > 0).any() or (top_p < 1.0).any():
-            logits = _top_k_top_p(logits, top_k, top_p)
+        filtered = np.flatnonzero((top_k > 0) | (top_p < 1.0))
+        if filtered.size:
+            idx = _index(filtered, dev)
+            logits[idx] = _top_k_top_p(logits[idx], top_k[filtered], top_p[filtered])
         min_p = p.min_p[rows]
         if (min_p > 0).any():
             probs = logits.softmax(dim=-1)
@@ -230,24 +232,50 @@ def _index(rows: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(rows.astype(np.int64)).to(device)
 
 
+# top-p without top-k looks for its cut among this many most likely tokens
+# first, and sorts the whole vocabulary only when their mass is below top_p.
+_TOP_P_CANDIDATES = 1024
+
+
 def _top_k_top_p(logits: torch.Tensor, top_k: np.ndarray, top_p: np.ndarray) -> torch.Tensor:
-    """Mask all but the top_k largest logits (0: no limit), then all but the
-    smallest prefix of the sorted distribution whose mass reaches top_p.
+    """Rows that filter (top_k > 0 or top_p < 1): mask all but the top_k
+    largest logits, then all but the smallest prefix of the (renormalised)
+    sorted distribution whose mass reaches top_p.
     probs sorted [0.5, 0.3, 0.2], top_p=0.7 -> keep [0.5, 0.3]."""
-    dev = logits.device
     vocab = logits.shape[1]
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=dev)[None, :]
-    k = torch.from_numpy(np.where(top_k > 0, np.minimum(top_k, vocab), vocab)).to(dev)[:, None]
-    sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
+    has_k = top_k > 0
+    k = np.where(has_k, np.minimum(top_k, vocab), vocab)
+    num_candidates = int(max(k[has_k].max(initial=0), _TOP_P_CANDIDATES if (~has_k).any() else 0))
+    out = _top_k_top_p_among(logits, k, top_p, min(num_candidates, vocab))
+    if out is None:  # some top-p cut lies beyond the candidates
+        out = _top_k_top_p_among(logits, k, top_p, vocab)
+    return out
+
+
+def _top_k_top_p_among(
+    logits: torch.Tensor, k: np.ndarray, top_p: np.ndarray, num_candidates: int
+) -> torch.Tensor | None:
+    """The filter, looking only at each row's num_candidates most likely
+    tokens (every token outside them is dropped); None when a row's cut may
+    lie outside them."""
+    dev = logits.device
+    vals, ids = logits.topk(num_candidates, dim=-1)  # sorted, descending
+    ranks = torch.arange(num_candidates, device=dev)[None, :]
+    k_t = torch.from_numpy(k).to(dev)[:, None]
+    vals = vals.masked_fill(ranks >= k_t, float("-inf"))
     if (top_p < 1.0).any():
-        probs = sorted_logits.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
+        # normaliser: over the kept top-k tokens, or the whole row without top-k
+        full = torch.from_numpy(k == logits.shape[1]).to(dev)
+        lse = torch.where(full, logits.logsumexp(dim=-1), vals.logsumexp(dim=-1))[:, None]
+        probs = (vals - lse).exp()
+        cum = probs.cumsum(dim=-1)
         p = torch.from_numpy(top_p).to(dev)[:, None]
-        drop = (mass_before >= p) & (p < 1.0)
+        if num_candidates < logits.shape[1] and bool(((cum[:, -1:] < p) & full[:, None]).any()):
+            return None
+        drop = (cum - probs >= p) & (p < 1.0)
         drop[:, 0] = False  # the most likely token always stays
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+        vals = vals.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(1, ids, vals)
 
 
 def make_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> list[Logprob]:

@@ -94,6 +94,32 @@ def test_mixed_rows_each_get_their_own_filter():
     assert len(set(out[2::3].tolist())) == len(PROBS)
 
 
+def reference_kept(logits: np.ndarray, top_k: int, top_p: float) -> set[int]:
+    order = np.argsort(-logits, kind="stable")
+    if top_k > 0:
+        order = order[:top_k]
+    probs = np.exp(logits[order] - logits[order].max())
+    probs /= probs.sum()
+    mass_before = np.cumsum(probs) - probs
+    return set(order[(mass_before < top_p) | (np.arange(len(order)) == 0)].tolist())
+
+
+@pytest.mark.parametrize("scale", [0.5, 8.0])  # flat (cut past the candidates) and peaked
+def test_top_k_top_p_kept_sets_match_a_full_sort(scale):
+    from runner.sampler import _top_k_top_p
+
+    g = torch.Generator().manual_seed(5)
+    vocab = 3000
+    logits = torch.randn(6, vocab, generator=g, dtype=torch.float64).float() * scale
+    top_k = np.array([0, 0, 50, 2000, 0, 1500], dtype=np.int32)
+    top_p = np.array([0.9, 0.3, 0.8, 0.95, 0.999, 1.0], dtype=np.float32)
+    out = _top_k_top_p(logits.clone(), top_k, top_p)
+    for i in range(6):
+        kept = set(torch.isfinite(out[i]).nonzero().flatten().tolist())
+        assert kept == reference_kept(logits[i].double().numpy(), int(top_k[i]), float(top_p[i]))
+        torch.testing.assert_close(out[i][list(kept)], logits[i][list(kept)])
+
+
 # ---------------------------------------------------------------------------
 # Greedy
 # ---------------------------------------------------------------------------

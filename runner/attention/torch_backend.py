@@ -142,9 +142,9 @@ class TorchAttentionBackend(RunnerAttentionBackend):
                 vi = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
             else:
-                pages = kv_cache[p.block_ids]  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
-                ki = pages[:, 0].reshape(-1, num_kv_heads, head_dim)[: p.seq_len]
-                vi = pages[:, 1].reshape(-1, num_kv_heads, head_dim)[: p.seq_len]
+                # [num_blocks, block_size, num_kv_heads, head_dim] -> [num_blocks * block_size, ...]
+                ki = kv_cache[:, 0][p.block_ids].flatten(0, 1)[: p.seq_len]
+                vi = kv_cache[:, 1][p.block_ids].flatten(0, 1)[: p.seq_len]
                 ki = ki.transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, num_kv_heads, seq_len, head_dim]
                 vi = vi.transpose(0, 1).unsqueeze(0).to(q.dtype)
                 o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=p.mask, scale=scale, enable_gqa=True)
@@ -152,9 +152,9 @@ class TorchAttentionBackend(RunnerAttentionBackend):
 
         for g in meta.decode_groups:
             num = g.block_ids.shape[0]
-            pages = kv_cache[g.block_ids]  # [B, num_blocks, 2, block_size, num_kv_heads, head_dim]
-            kg = pages[:, :, 0].reshape(num, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
-            vg = pages[:, :, 1].reshape(num, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+            # gather: [B, num_blocks, block_size, num_kv_heads, head_dim] -> [B, num_kv_heads, L, head_dim]
+            kg = kv_cache[:, 0][g.block_ids].view(num, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+            vg = kv_cache[:, 1][g.block_ids].view(num, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
             qg = q[g.token_indices].unsqueeze(2)  # [B, num_heads, 1, head_dim]
             o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=True)
             out[g.token_indices] = o.squeeze(2)
