@@ -294,3 +294,55 @@ class RunnerOutput(msgspec.Struct):
 
 
 EMPTY_RUNNER_OUTPUT = RunnerOutput(req_ids=[], sampled_token_ids=[])
+
+
+# ---------------------------------------------------------------------------
+# API process <-> engine-core process: the ZMQ messages around the types above
+# ---------------------------------------------------------------------------
+
+
+class EngineAddRequests(msgspec.Struct, tag="add", array_like=True):
+    requests: list[EngineCoreRequest]
+
+
+class EngineAbortRequests(msgspec.Struct, tag="abort", array_like=True):
+    req_ids: list[str]
+
+
+class EngineShutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    pass
+
+
+# what the API process sends on the engine's input socket
+EngineInput = EngineAddRequests | EngineAbortRequests | EngineShutdown
+
+
+class EngineRequestRejected(msgspec.Struct, tag="rejected", array_like=True):
+    """The engine core refused a request (EngineCore.add_request raised)."""
+
+    req_id: str
+    message: str
+
+
+class EngineFatalError(msgspec.Struct, tag="fatal", array_like=True):
+    """The engine loop crashed; the process exits right after sending this."""
+
+    message: str
+    traceback: str
+
+
+# what the engine sends on its output socket besides EngineCoreOutputs
+EngineNotice = EngineRequestRejected | EngineFatalError
+
+
+class EngineReady(msgspec.Struct, tag="ready"):
+    info: EngineInfo
+
+
+class EngineStartupFailed(msgspec.Struct, tag="startup_failed"):
+    message: str
+    traceback: str
+
+
+# sent once on the ready socket by a starting engine-core process
+EngineStartup = EngineReady | EngineStartupFailed
