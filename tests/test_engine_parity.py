@@ -47,8 +47,9 @@ def checkpoint(request, tmp_path_factory):
 
 @torch.inference_mode()
 def hf_greedy(hf, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    device = next(hf.parameters()).device
     out = hf.generate(
-        torch.tensor([prompt]),
+        torch.tensor([prompt], device=device),
         max_new_tokens=MAX_TOKENS,
         do_sample=False,
         eos_token_id=None,
@@ -58,7 +59,7 @@ def hf_greedy(hf, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
     )
     tokens = out.sequences[0, len(prompt) :].tolist()
     assert len(tokens) == MAX_TOKENS, "transformers stopped early"
-    logprobs = torch.log_softmax(torch.cat(out.logits).float(), dim=-1)  # [MAX_TOKENS, vocab]
+    logprobs = torch.log_softmax(torch.cat(out.logits).float(), dim=-1).cpu()  # [MAX_TOKENS, vocab]
     return tokens, logprobs
 
 
@@ -136,4 +137,27 @@ def test_engine_matches_transformers_under_preemption(checkpoint):
     results, core, info = run_engine(config, [PROMPTS])
     check_against_hf(results, refs)
     assert info.max_model_len == 56
+    assert core.make_stats().num_preemptions_total > 0
+
+
+@pytest.mark.gpu
+def test_engine_matches_transformers_on_cuda(tmp_path):
+    """The same engine on a GPU, with the torch backend, float32, against
+    transformers on the same GPU."""
+    path = make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path / "ckpt", seed=1)
+    hf = load_hf_model(path).to("cuda")
+    refs = {tuple(p): hf_greedy(hf, p) for p in PROMPTS + SECOND_WAVE}
+    config = EngineConfig(
+        model=str(path),
+        device="cuda",
+        dtype="float32",
+        attention_backend="torch",
+        block_size=4,
+        max_num_batched_tokens=16,
+        max_num_seqs=8,
+        num_gpu_blocks_override=20,
+    )
+    results, core, info = run_engine(config, [PROMPTS, SECOND_WAVE])
+    check_against_hf(results, refs)
+    assert info.device.startswith("cuda")
     assert core.make_stats().num_preemptions_total > 0

@@ -33,7 +33,7 @@ class FakeLayer:
         self.layer_idx = 0
 
 
-def make_inputs(ctx_lens, q_lens, block_size, block_tables, max_blocks) -> AttentionInputs:
+def make_inputs(ctx_lens, q_lens, block_size, block_tables, max_blocks, device=CPU) -> AttentionInputs:
     n = len(q_lens)
     seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
@@ -55,10 +55,10 @@ def make_inputs(ctx_lens, q_lens, block_size, block_tables, max_blocks) -> Atten
         seq_lens_cpu=t(np.array(seq_lens, dtype=np.int32)),
         num_computed_tokens_cpu=t(np.array(ctx_lens, dtype=np.int32)),
         block_table_cpu=t(bt),
-        query_start_loc=t(qsl),
-        seq_lens=t(np.array(seq_lens, dtype=np.int32)),
-        block_table=t(bt),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc=t(qsl).to(device),
+        seq_lens=t(np.array(seq_lens, dtype=np.int32)).to(device),
+        block_table=t(bt).to(device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
     )
 
 
@@ -75,7 +75,9 @@ def dense_attention(q, k, v, ctx, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def run_backend_case(ctx_lens, q_lens, block_size, num_heads, num_kv_heads, head_dim, seed=0, gather_tokens=32768):
+def run_backend_case(
+    ctx_lens, q_lens, block_size, num_heads, num_kv_heads, head_dim, seed=0, gather_tokens=32768, device=CPU
+):
     g = torch.Generator().manual_seed(seed)
     seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
     blocks_needed = [math.ceil(s / block_size) for s in seq_lens]
@@ -97,14 +99,16 @@ def run_backend_case(ctx_lens, q_lens, block_size, num_heads, num_kv_heads, head
             kv_cache[b, 1, pos % block_size] = vs[i][pos]
 
     max_blocks = max(blocks_needed) + 2
-    inputs = make_inputs(ctx_lens, q_lens, block_size, block_tables, max_blocks)
-    backend = TorchAttentionBackend(CPU, torch.float32, decode_gather_tokens=gather_tokens)
+    inputs = make_inputs(ctx_lens, q_lens, block_size, block_tables, max_blocks, device)
+    backend = TorchAttentionBackend(device, torch.float32, decode_gather_tokens=gather_tokens)
     meta = backend.build_metadata(inputs)
     layer = FakeLayer(num_heads, num_kv_heads, head_dim)
     q = torch.cat(qs)
     k = torch.cat([ks[i][c:] for i, c in enumerate(ctx_lens)])
     v = torch.cat([vs[i][c:] for i, c in enumerate(ctx_lens)])
-    out = backend.forward(layer, q, k, v, kv_cache, meta)
+    dev_cache = kv_cache.to(device)
+    out = backend.forward(layer, q.to(device), k.to(device), v.to(device), dev_cache, meta).cpu()
+    kv_cache = dev_cache.cpu()
 
     start = 0
     for i, (c, ql) in enumerate(zip(ctx_lens, q_lens)):
@@ -141,6 +145,14 @@ def test_backend_decode_only_groups(block_size):
 def test_backend_chunked_prefill_chunks():
     # the same request's chunks one after another agree with one dense pass
     run_backend_case([4, 12], [8, 3], 4, 4, 2, 64, seed=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_backend_on_cuda(block_size):
+    cuda = torch.device("cuda")
+    run_backend_case([0, 9, 5, 17], [7, 1, 6, 1], block_size, 8, 2, 128, device=cuda)
+    run_backend_case([3, 40, 0, 17], [1, 1, 1, 1], block_size, 4, 4, 64, device=cuda, gather_tokens=64)
 
 
 def test_backend_registry():

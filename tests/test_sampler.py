@@ -212,7 +212,9 @@ def test_min_tokens_suppresses_eos_and_stop_ids():
 # ---------------------------------------------------------------------------
 
 
-def test_seeded_rows_do_not_depend_on_the_batch():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_seeded_rows_do_not_depend_on_the_batch(device):
+    device = torch.device(device)
     g = torch.Generator().manual_seed(7)
     vocab = 64
     target_logits = torch.randn(vocab, generator=g)
@@ -225,7 +227,7 @@ def test_seeded_rows_do_not_depend_on_the_batch():
         params = list(batch_params)
         params.insert(position, target)
         outs = [[3] * num_outputs] * n
-        out = Sampler([EOS], CPU, seed=sampler_seed)(logits, make_meta(params, outputs=outs))
+        out = Sampler([EOS], device, seed=sampler_seed)(logits.to(device), make_meta(params, outputs=outs))
         return out.sampled_token_ids[position].item()
 
     busy = [SamplingParams(temperature=0.8), SamplingParams(temperature=1.0, seed=99),
