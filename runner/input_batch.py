@@ -10,7 +10,7 @@ running ones, finished ids). The batch applies it in place:
   into the holes so rows 0..num_reqs-1 are exactly the live requests.
 
 A sampling parameter is one field of `SamplingColumns` (with how to read it
-from `SamplingParams`); adding, moving and slicing rows handle every column
+from the `NewRequestData`); adding, moving and slicing rows handle every column
 generically, and the sampler reads the column by name.
 """
 
@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from scheduler.types import Logprob, NewRequestData, SamplingParams
+from scheduler.types import Logprob, NewRequestData
+
+logger = logging.getLogger(__name__)
 
 
 class CpuGpuBuffer:
@@ -52,40 +55,52 @@ class CpuGpuBuffer:
 # ---------------------------------------------------------------------------
 
 
-def _column(dtype: Any, default: Any, read: Callable[[SamplingParams], Any]) -> Any:
+def _column(dtype: Any, default: Any, read: Callable[[NewRequestData], Any]) -> Any:
     return field(default=None, metadata={"dtype": dtype, "default": default, "read": read})
 
 
-def _stop_ids(p: SamplingParams) -> tuple[int, ...]:
-    return tuple(p.stop_token_ids)
+def _param(name: str, dtype: Any, default: Any) -> Any:
+    """A column holding SamplingParams.<name> as is."""
+    return _column(dtype, default, lambda r: getattr(r.sampling_params, name))
+
+
+def _min_tokens_stop_ids(r: NewRequestData) -> tuple[int, ...]:
+    p = r.sampling_params
+    eos = () if r.eos_token_id is None or p.ignore_eos else (r.eos_token_id,)
+    return tuple(p.stop_token_ids) + eos
 
 
 @dataclass
 class SamplingColumns:
     """One numpy column per sampling parameter, one entry per batch row.
 
-    `allocate(n)` makes n rows of defaults; `take(rows)` the sub-batch of the
-    rows sampling this step (same fields, sliced arrays). Adding a parameter
-    is one field here plus its use in the sampler.
+    `allocate(n)` makes n rows of defaults; `write(row, req)` fills a row from
+    a NewRequestData; `take(rows)` is the sub-batch of the rows sampling this
+    step (same fields, sliced arrays). Adding a parameter is one field here
+    plus its use in the sampler.
     """
 
-    temperature: np.ndarray = _column(np.float32, 1.0, lambda p: p.temperature)
-    top_p: np.ndarray = _column(np.float32, 1.0, lambda p: p.top_p)
-    top_k: np.ndarray = _column(np.int32, 0, lambda p: p.top_k)  # 0: off
-    min_p: np.ndarray = _column(np.float32, 0.0, lambda p: p.min_p)
-    repetition_penalty: np.ndarray = _column(np.float32, 1.0, lambda p: p.repetition_penalty)
-    frequency_penalty: np.ndarray = _column(np.float32, 0.0, lambda p: p.frequency_penalty)
-    presence_penalty: np.ndarray = _column(np.float32, 0.0, lambda p: p.presence_penalty)
-    min_tokens: np.ndarray = _column(np.int32, 0, lambda p: p.min_tokens)
-    ignore_eos: np.ndarray = _column(np.bool_, False, lambda p: p.ignore_eos)
+    temperature: np.ndarray = _param("temperature", np.float32, 1.0)
+    top_p: np.ndarray = _param("top_p", np.float32, 1.0)
+    top_k: np.ndarray = _param("top_k", np.int32, 0)  # 0: off
+    min_p: np.ndarray = _param("min_p", np.float32, 0.0)
+    repetition_penalty: np.ndarray = _param("repetition_penalty", np.float32, 1.0)
+    frequency_penalty: np.ndarray = _param("frequency_penalty", np.float32, 0.0)
+    presence_penalty: np.ndarray = _param("presence_penalty", np.float32, 0.0)
+    min_tokens: np.ndarray = _param("min_tokens", np.int32, 0)
+    ignore_eos: np.ndarray = _param("ignore_eos", np.bool_, False)
+    seed: np.ndarray = _param("seed", object, None)  # int | None
     # -1: no logprobs; 0: only the sampled token's; N: plus the top N
-    num_logprobs: np.ndarray = _column(np.int32, -1, lambda p: -1 if p.logprobs is None else p.logprobs)
-    num_prompt_logprobs: np.ndarray = _column(
-        np.int32, -1, lambda p: -1 if p.prompt_logprobs is None else p.prompt_logprobs
+    num_logprobs: np.ndarray = _column(
+        np.int32, -1, lambda r: -1 if r.sampling_params.logprobs is None else r.sampling_params.logprobs
     )
-    seed: np.ndarray = _column(object, None, lambda p: p.seed)  # int | None
-    logit_bias: np.ndarray = _column(object, None, lambda p: p.logit_bias or None)  # dict | None
-    stop_token_ids: np.ndarray = _column(object, (), _stop_ids)  # masked while < min_tokens
+    num_prompt_logprobs: np.ndarray = _column(
+        np.int32, -1, lambda r: -1 if r.sampling_params.prompt_logprobs is None else r.sampling_params.prompt_logprobs
+    )
+    logit_bias: np.ndarray = _column(object, None, lambda r: r.sampling_params.logit_bias or None)  # dict | None
+    # masked while fewer than min_tokens outputs: stop_token_ids, and the
+    # request's EOS unless ignore_eos (the sampler adds the model's EOS ids)
+    min_tokens_stop_ids: np.ndarray = _column(object, (), _min_tokens_stop_ids)
 
     @classmethod
     def allocate(cls, num_rows: int) -> "SamplingColumns":
@@ -96,9 +111,9 @@ class SamplingColumns:
             cols[f.name] = arr
         return cls(**cols)
 
-    def write(self, row: int, params: SamplingParams) -> None:
+    def write(self, row: int, req: NewRequestData) -> None:
         for f in dataclasses.fields(self):
-            getattr(self, f.name)[row] = f.metadata["read"](params)
+            getattr(self, f.name)[row] = f.metadata["read"](req)
 
     def move(self, src: int, dst: int) -> None:
         for f in dataclasses.fields(self):
@@ -226,11 +241,18 @@ class InputBatch:
         self.num_tokens[row] = num_tokens
         self.num_computed_tokens[row] = req.num_computed_tokens
         self.block_table.set_row(row, req.block_ids)
-        self.sampling.write(row, req.sampling_params)
+        self.sampling.write(row, req)
         # Prompt logprobs are produced once, by the prefill of a request that
         # has generated nothing yet (a resumed request already sent them).
         if req.sampling_params.prompt_logprobs is not None and not req.output_token_ids:
             self.prompt_logprobs[req.req_id] = []
+            if req.num_computed_tokens > 0:
+                logger.warning(
+                    "request %s asks for prompt logprobs but its first %d tokens come from the "
+                    "prefix cache: their logprobs will be missing",
+                    req.req_id,
+                    req.num_computed_tokens,
+                )
         else:
             self.sampling.num_prompt_logprobs[row] = -1
         return row

@@ -151,7 +151,7 @@ class Sampler:
         vocab = logits.shape[1]
         rows, toks = [], []
         for row in np.flatnonzero(meta.num_output_tokens < p.min_tokens).tolist():
-            stop = set(p.stop_token_ids[row])
+            stop = set(p.min_tokens_stop_ids[row])
             if not p.ignore_eos[row]:
                 stop.update(self.eos_token_ids)
             for tok in stop:

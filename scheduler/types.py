@@ -245,6 +245,9 @@ class NewRequestData(msgspec.Struct):
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    # EngineCoreRequest.eos_token_id: the sampler masks it (unless ignore_eos)
+    # while fewer than min_tokens tokens were generated
+    eos_token_id: int | None = None
 
 
 class CachedRequestData(msgspec.Struct):

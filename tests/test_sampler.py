@@ -9,19 +9,28 @@ import torch
 
 from runner.input_batch import SamplingColumns
 from runner.sampler import Sampler, SamplingMetadata
-from scheduler.types import SamplingParams
+from scheduler.types import NewRequestData, SamplingParams
 
 CPU = torch.device("cpu")
 EOS = 0
 
 
-def make_meta(params: list[SamplingParams], prompts=None, outputs=None) -> SamplingMetadata:
+def make_meta(params: list[SamplingParams], prompts=None, outputs=None, eos_token_id=None) -> SamplingMetadata:
     n = len(params)
     prompts = prompts or [[1]] * n
     outputs = outputs or [[]] * n
     cols = SamplingColumns.allocate(n)
     for i, p in enumerate(params):
-        cols.write(i, p)
+        req = NewRequestData(
+            req_id=str(i),
+            prompt_token_ids=list(prompts[i]),
+            output_token_ids=list(outputs[i]),
+            sampling_params=p,
+            block_ids=[],
+            num_computed_tokens=0,
+            eos_token_id=eos_token_id,
+        )
+        cols.write(i, req)
     num_prompt = np.array([len(p) for p in prompts], dtype=np.int32)
     num_tokens = num_prompt + np.array([len(o) for o in outputs], dtype=np.int32)
     token_ids = np.zeros((n, int(num_tokens.max())), dtype=np.int32)
@@ -205,6 +214,16 @@ def test_min_tokens_suppresses_eos_and_stop_ids():
         torch.zeros(n, 4), make_meta([SamplingParams(min_tokens=2, stop_token_ids=[2])] * n)
     ).sampled_token_ids
     assert set(draws.tolist()) == {1, 3}
+
+
+def test_min_tokens_masks_the_request_eos_too():
+    # the request's EOS (e.g. from generation_config) is 3, the model's is 0
+    logits = torch.tensor([[1.0, 2.0, 0.0, 9.0]]).expand(3, -1).clone()
+    params = [SamplingParams(temperature=0.0, min_tokens=2)] * 2 + [
+        SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True)
+    ]
+    meta = make_meta(params, outputs=[[5], [5, 5], [5]], eos_token_id=3)
+    assert Sampler([EOS], CPU)(logits, meta).sampled_token_ids.tolist() == [1, 3, 3]
 
 
 # ---------------------------------------------------------------------------
