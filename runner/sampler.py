@@ -50,17 +50,19 @@ class SamplingMetadata:
     params: SamplingColumns  # numpy columns, one entry per row
     num_prompt_tokens: np.ndarray  # [num_rows] int32
     num_tokens: np.ndarray  # [num_rows] int32, prompt + outputs so far
-    token_ids: np.ndarray  # [num_rows, max(num_tokens)] int32, valid up to num_tokens
+    # token ids of row i are all_token_ids[token_rows[i], :num_tokens[i]];
+    # sliced only when a penalty needs them
+    all_token_ids: np.ndarray  # [>= num_rows, >= max(num_tokens)] int32
+    token_rows: np.ndarray  # [num_rows] int64
 
     @classmethod
     def from_batch(cls, batch: InputBatch, rows: np.ndarray) -> "SamplingMetadata":
-        num_tokens = batch.num_tokens[rows]
-        max_len = int(num_tokens.max()) if rows.size else 0
         return cls(
             params=batch.sampling.take(rows),
             num_prompt_tokens=batch.num_prompt_tokens[rows],
-            num_tokens=num_tokens,
-            token_ids=batch.token_ids[rows, :max_len],
+            num_tokens=batch.num_tokens[rows],
+            all_token_ids=batch.token_ids,
+            token_rows=rows,
         )
 
     @property
@@ -70,6 +72,11 @@ class SamplingMetadata:
     @property
     def num_output_tokens(self) -> np.ndarray:
         return self.num_tokens - self.num_prompt_tokens
+
+    def token_ids(self) -> np.ndarray:
+        """[num_rows, max(num_tokens)] int32, valid up to num_tokens per row."""
+        max_len = int(self.num_tokens.max()) if self.num_rows else 0
+        return self.all_token_ids[self.token_rows, :max_len]
 
 
 @dataclass
@@ -169,11 +176,12 @@ class Sampler:
             return
         num_rows, vocab = logits.shape
         dev = logits.device
-        cols = np.arange(meta.token_ids.shape[1])[None, :]
+        token_ids = meta.token_ids()
+        cols = np.arange(token_ids.shape[1])[None, :]
         valid = cols < meta.num_tokens[:, None]
         # token ids, with positions past a row's length sent to a spill column
         # `vocab` that is dropped: num_tokens=[2], ids=[[5, 7, 0]] -> [[5, 7, V]]
-        ids = np.where(valid & (meta.token_ids < vocab), meta.token_ids, vocab).astype(np.int64)
+        ids = np.where(valid & (token_ids < vocab), token_ids, vocab).astype(np.int64)
         if use_rep.any():
             seen = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=dev)
             seen.scatter_(1, torch.from_numpy(ids).to(dev), True)

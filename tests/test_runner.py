@@ -403,3 +403,18 @@ def test_runner_prompt_logprobs_across_chunks():
         assert lp.logprobs[0] == pytest.approx(float(ref[pos - 1, prompt[pos]]), abs=1e-4)
         assert lp.token_ids[1:] == ref[pos - 1].topk(2).indices.tolist()
         assert lp.rank == int((ref[pos - 1] > ref[pos - 1, prompt[pos]]).sum()) + 1
+
+
+def test_sampling_metadata_from_batch_rows():
+    from runner.sampler import SamplingMetadata
+
+    batch = InputBatch(max_num_seqs=3, max_model_len=16, max_blocks_per_req=4, device=CPU)
+    batch.add_request(new_req("a", [1, 2, 3], [4], temperature=0.3, repetition_penalty=1.2))
+    batch.add_request(new_req("b", [5], [6, 7, 8], top_k=7, min_tokens=5, stop_token_ids=[9]))
+    meta = SamplingMetadata.from_batch(batch, np.array([1, 0]))
+    assert meta.num_output_tokens.tolist() == [3, 1]
+    ids = meta.token_ids()
+    assert ids[0, :4].tolist() == [5, 6, 7, 8] and ids[1, :4].tolist() == [1, 2, 3, 4]
+    assert meta.params.top_k.tolist() == [7, 0]
+    assert meta.params.repetition_penalty.tolist() == pytest.approx([1.0, 1.2])
+    assert meta.params.min_tokens_stop_ids[0] == (9,)

@@ -37,7 +37,7 @@ def make_meta(params: list[SamplingParams], prompts=None, outputs=None, eos_toke
     for i in range(n):
         seq = list(prompts[i]) + list(outputs[i])
         token_ids[i, : len(seq)] = seq
-    return SamplingMetadata(cols, num_prompt, num_tokens, token_ids)
+    return SamplingMetadata(cols, num_prompt, num_tokens, token_ids, np.arange(n))
 
 
 def logits_from_probs(probs: list[float], n: int) -> torch.Tensor:
