@@ -51,8 +51,6 @@ class APIError(Exception):
 
 
 def _default_type(status: int) -> str:
-    if status == 401:
-        return "authentication_error"
     if status == 429:
         return "rate_limit_error"
     if status >= 500:
@@ -82,16 +80,25 @@ def engine_dead() -> APIError:
     )
 
 
-def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
-    """('body', 'messages', 0, 'content') -> 'messages[0].content'."""
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict", "bytes", "any"}
+
+
+def _loc_to_param(loc: tuple[Any, ...], keep_last: bool = False) -> str | None:
+    """('body', 'messages', 0, 'content') -> 'messages[0].content'.
+
+    pydantic puts union members in the location (('body', 'stop', 'list[str]', 0));
+    those tags are dropped: request fields are lower-case identifiers, the tags are
+    type names ('str', 'list[int]', 'TextPart'). keep_last keeps the final segment
+    as is (an unknown field's own name)."""
     parts = [p for p in loc if p not in ("body", "query", "path", "header")]
-    # pydantic puts the union member's type name in the location
-    # ('prompt', 'list[int]', 0): keep only real field names and indices.
     out = ""
-    for p in parts:
+    for i, p in enumerate(parts):
         if isinstance(p, int):
             out += f"[{p}]"
-        elif isinstance(p, str) and (p.isidentifier()):
+        elif isinstance(p, str) and (
+            (keep_last and i == len(parts) - 1)
+            or (p.isidentifier() and p.lower() == p and p not in _TYPE_TAGS)
+        ):
             out += f".{p}" if out else p
     return out or None
 
@@ -107,6 +114,7 @@ def validation_error_to_api_error(exc: RequestValidationError) -> APIError:
     if kind == "json_invalid":
         return APIError(f"The request body is not valid JSON: {first.get('msg', '')}", code="invalid_json")
     if kind == "extra_forbidden":
+        param = _loc_to_param(loc, keep_last=True)
         return APIError(
             f"Unrecognized request argument supplied: {param}", param=param, code="unknown_parameter"
         )
@@ -125,7 +133,8 @@ def validation_error_to_api_error(exc: RequestValidationError) -> APIError:
         same_field = [e for e in errors if _loc_to_param(tuple(e.get("loc", ()))) == param]
         if len(same_field) == len(errors) and "input" in first:
             return APIError(
-                f"{param}: invalid value {json.dumps(first['input'])[:200]}", param=param, code="invalid_type"
+                f"{param}: invalid value {json.dumps(first['input'])[:200]} ({first.get('msg', 'wrong type')})",
+                param=param, code="invalid_type",
             )
     return APIError(f"{param or 'body'}: {msg}", param=param, code="invalid_type")
 
