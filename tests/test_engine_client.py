@@ -218,3 +218,51 @@ def test_api_side_never_imports_torch():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert proc.returncode == 0, proc.stderr
+
+
+def test_real_engine_on_tiny_model_matches_in_process_engine(tiny_model_dir):
+    """The spawned real engine (loader, runner, torch) streams the same greedy
+    tokens as the same engine stepped in this process."""
+    config = EngineConfig(model=tiny_model_dir, kv_cache_memory_gb=0.01, max_num_seqs=4)
+    prompts = [[1, 5, 9, 14], [1, 30, 31, 32, 33, 34, 35]]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+
+    async def main():
+        client = await AsyncEngineClient.create(config)
+        try:
+            assert client.info.vocab_size == len(client.tokenizer)
+            streams = await asyncio.gather(
+                *(collect(client.generate(f"r{i}", p, params)) for i, p in enumerate(prompts))
+            )
+            # abort frees the sequence's KV blocks in the engine
+            agen = client.generate("long", prompts[0], SamplingParams(max_tokens=500, ignore_eos=True))
+            await agen.__anext__()
+            await agen.aclose()
+            for _ in range(50):
+                await asyncio.sleep(0.1)
+                if client.latest_stats.num_running_reqs == 0:
+                    break
+            assert client.latest_stats.num_running_reqs == 0
+            return streams, client.tokenizer
+        finally:
+            await client.shutdown()
+
+    streams, tokenizer = run(main())
+
+    from runner.engine import build_engine_core
+    from server.llm import LLM
+
+    llm = LLM(tiny_model_dir, kv_cache_memory_gb=0.01, max_num_seqs=4, engine_builder=build_engine_core)
+    expected = llm.generate(prompts, params, use_tqdm=False)
+    for deltas, exp in zip(streams, expected):
+        c = exp.outputs[0]
+        assert [t for d in deltas for t in d.token_ids] == c.token_ids
+        assert "".join(d.text for d in deltas) == c.text
+        assert deltas[-1].finish_reason == "length" and len(c.token_ids) == 10
+        # batch composition may differ (requests arrive apart): logprobs to float tolerance
+        got = [lp for d in deltas for lp in d.logprobs]
+        assert [{t: (lp.rank, lp.decoded_token) for t, lp in pos.items()} for pos in got] == [
+            {t: (lp.rank, lp.decoded_token) for t, lp in pos.items()} for pos in c.logprobs
+        ]
+        flat = lambda positions: [lp.logprob for pos in positions for lp in pos.values()]  # noqa: E731
+        assert flat(got) == pytest.approx(flat(c.logprobs), abs=1e-4)
