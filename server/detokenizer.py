@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 # prompt tokens decoded with the first output token, for its leading space
 _INITIAL_CONTEXT_TOKENS = 5
 _REPLACEMENT_CHAR = "\ufffd"
+_MAX_PENDING_TOKENS = 6
 
 
 class IncrementalDetokenizer:
@@ -83,7 +84,10 @@ class IncrementalDetokenizer:
         return self._release(self._holdback())
 
     def flush(self) -> str:
-        """Release everything left (the sequence is over)."""
+        """Release everything left (the sequence is over), including the
+        bytes of a character that will now never be completed."""
+        if self.stop_string is None and self.read_offset < len(self.token_ids):
+            self.output_text += self._decode_next(final=True)
         return self._release(0)
 
     @property
@@ -92,12 +96,17 @@ class IncrementalDetokenizer:
 
     # -- internals ---------------------------------------------------------
 
-    def _decode_next(self) -> str:
+    def _decode_next(self, final: bool = False) -> str:
         decode = self.tokenizer.decode
         skip = self.skip_special_tokens
         prefix_text = decode(self.token_ids[self.prefix_offset : self.read_offset], skip)
         full_text = decode(self.token_ids[self.prefix_offset :], skip)
-        if len(full_text) > len(prefix_text) and not full_text.endswith(_REPLACEMENT_CHAR):
+        # a trailing U+FFFD is a character still being spelled out; a UTF-8
+        # character spans at most 4 byte tokens, so past that it is a real
+        # (invalid-bytes) replacement character and comes out like any text
+        pending = len(self.token_ids) - self.read_offset
+        incomplete = full_text.endswith(_REPLACEMENT_CHAR) and pending < _MAX_PENDING_TOKENS and not final
+        if len(full_text) > len(prefix_text) and not incomplete:
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.token_ids)
             return full_text[len(prefix_text) :]

@@ -51,6 +51,23 @@ def test_incremental_matches_full_decode_multibyte(tok):
     assert "" in deltas
 
 
+def test_unfinished_character_comes_out_at_the_end(tok):
+    # the tokens of " 日" without the last byte, then the sequence ends
+    ids = tok.encode(" 日本", add_special_tokens=False)[:2]
+    detok = IncrementalDetokenizer(tok, SamplingParams(), tok.encode(PROMPT))
+    assert [detok.update([t]) for t in ids] == ["", ""]
+    assert detok.flush() == tok.decode(ids)  # " \ufffd": the bytes are not lost
+
+
+def test_invalid_bytes_do_not_stall_the_stream(tok):
+    # continuation bytes that can never form a character: emitted, not held forever
+    cont = tok.encode("日", add_special_tokens=False)[1]
+    detok = IncrementalDetokenizer(tok, SamplingParams(), tok.encode(PROMPT))
+    deltas = [detok.update([cont]) for _ in range(12)] + [detok.flush()]
+    assert "".join(deltas) == tok.decode([cont] * 12)
+    assert sum(1 for d in deltas if d) > 1
+
+
 def test_first_token_keeps_leading_space(tok):
     deltas, _ = stream(tok, " Hello there")
     assert "".join(deltas) == " Hello there"
