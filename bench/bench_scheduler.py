@@ -118,7 +118,7 @@ def main() -> None:
         "bench": "scheduler_step",
         "host": host_description(),
         "date": datetime.date.today().isoformat(),
-        "command": " ".join(["python", "bench/bench_scheduler.py"] + sys.argv[1:]),
+        "command": " ".join([os.path.relpath(sys.executable)] + sys.argv),
         "workload": {
             "phase": "all requests decoding, one token each per step",
             "prompt_len": args.prompt_len,

@@ -12,8 +12,9 @@ registered under a chained hash
 
 so h_i names the whole prefix up to the end of block i. A lookup walks the
 request's full blocks from the start and stops at the first miss. A hit is
-verified against what the block stores (its parent hash and its token ids):
-a hash collision whose stored tokens differ is a miss, never wrong KV.
+verified against the key the block was registered with, `block_key[b] =
+(parent hash, token ids)`: a hash collision whose stored key differs is a
+miss, never wrong KV.
 
 Free blocks sit in one LRU queue (oldest first). A freed block keeps its hash
 (its KV stays reusable) until it is taken as a fresh block, which evicts the
@@ -24,29 +25,88 @@ shareable part, are evicted last.
 
 Invariant: a block is in the free queue iff its ref_cnt is 0.
 `hash_to_block` maps each hash to exactly one block whose `block_hash` is it.
+
+Per-block state is kept column-wise (`ref_cnt[b]`, `block_hash[b]`, ...),
+the counters and the free queue's links in C arrays, rather than one object
+per block: with a few hundred thousand blocks, objects (or an OrderedDict)
+would make every full garbage collection of the engine take 15-100 ms.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from array import array
+from typing import Iterator
 
 from scheduler.request import Request
 
 ROOT_HASH = 0x5E4A1  # parent hash of a request's first block
 
 
-class KVBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "parent_hash", "token_ids")
+class FreeBlockQueue:
+    """Block ids in LRU order (front = evicted first), as a doubly linked list
+    over two int arrays: O(1) append, appendleft, popleft and remove from the
+    middle, and nothing for the garbage collector to walk.
 
-    def __init__(self, block_id: int) -> None:
-        self.block_id = block_id
-        self.ref_cnt = 0
-        self.block_hash: int | None = None  # set iff registered in hash_to_block
-        self.parent_hash: int | None = None
-        self.token_ids: tuple[int, ...] | None = None
+    Node `num_blocks` is the sentinel: next[S] is the front, prev[S] the back.
+    num_blocks=3, all free: next=[1, 2, 3, 0], prev=[3, 0, 1, 2].
+    """
 
-    def __repr__(self) -> str:
-        return f"KVBlock({self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
+    def __init__(self, num_blocks: int) -> None:
+        s = num_blocks
+        self._sentinel = s
+        self._next = array("l", range(1, s + 2))  # next[b] = b + 1: blocks start in id order
+        self._next[s] = 0
+        self._prev = array("l", range(-1, s))  # prev[b] = b - 1
+        self._prev[0] = s
+        self._in_queue = bytearray(b"\x01") * num_blocks
+        self._len = num_blocks
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __contains__(self, block_id: int) -> bool:
+        return bool(self._in_queue[block_id])
+
+    def __iter__(self) -> Iterator[int]:
+        b = self._next[self._sentinel]
+        while b != self._sentinel:
+            yield b
+            b = self._next[b]
+
+    def append(self, block_id: int) -> None:
+        s, nxt, prv = self._sentinel, self._next, self._prev
+        back = prv[s]
+        nxt[back] = block_id
+        prv[block_id] = back
+        nxt[block_id] = s
+        prv[s] = block_id
+        self._in_queue[block_id] = 1
+        self._len += 1
+
+    def appendleft(self, block_id: int) -> None:
+        s, nxt, prv = self._sentinel, self._next, self._prev
+        front = nxt[s]
+        prv[front] = block_id
+        nxt[block_id] = front
+        prv[block_id] = s
+        nxt[s] = block_id
+        self._in_queue[block_id] = 1
+        self._len += 1
+
+    def remove(self, block_id: int) -> None:
+        nxt, prv = self._next, self._prev
+        before, after = prv[block_id], nxt[block_id]
+        nxt[before] = after
+        prv[after] = before
+        self._in_queue[block_id] = 0
+        self._len -= 1
+
+    def popleft(self) -> int:
+        block_id = self._next[self._sentinel]
+        if block_id == self._sentinel:
+            raise IndexError("no free block")
+        self.remove(block_id)
+        return block_id
 
 
 class BlockManager:
@@ -62,10 +122,12 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        # block_id -> None, least recently freed first. OrderedDict gives O(1)
-        # append, pop-oldest and removal from the middle (cache hit).
-        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # per block b: how many live requests hold it; its hash (set iff it is in
+        # hash_to_block) and the key hashed: (hash of the block before, token ids)
+        self.ref_cnt = array("l", [0]) * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_key: list[tuple[int, tuple[int, ...]] | None] = [None] * num_blocks
+        self.free_queue = FreeBlockQueue(num_blocks)  # ref_cnt 0, least recently freed first
         self.hash_to_block: dict[int, int] = {}
         self.prefix_cache_queries_total = 0
         self.prefix_cache_hits_total = 0
@@ -122,8 +184,7 @@ class BlockManager:
             block_id = self.hash_to_block.get(h)
             if block_id is None:
                 break
-            block = self.blocks[block_id]
-            if block.parent_hash != parent or block.token_ids != tuple(tokens[i * bs : (i + 1) * bs]):
+            if self.block_key[block_id] != (parent, tuple(tokens[i * bs : (i + 1) * bs])):
                 break  # hash collision: not our prefix
             hits.append(block_id)
             parent = h
@@ -158,35 +219,33 @@ class BlockManager:
                 self._record_query(request, 0)
             return []  # fast path: a decode inside its last block
 
-        blocks = self.blocks
+        ref_cnt = self.ref_cnt
         free_queue = self.free_queue
         # Cached blocks with ref_cnt 0 leave the free queue when taken.
         num_hit_free = 0
         if num_hit:
             for block_id in new_computed_blocks:
-                if blocks[block_id].ref_cnt == 0:
+                if ref_cnt[block_id] == 0:
                     num_hit_free += 1
         if max(num_needed, 0) + num_hit_free > len(free_queue):
             return None
 
         if new_computed_blocks is not None:
             for block_id in new_computed_blocks:
-                block = blocks[block_id]
-                if block.ref_cnt == 0:
-                    del free_queue[block_id]
-                block.ref_cnt += 1
+                if ref_cnt[block_id] == 0:
+                    free_queue.remove(block_id)
+                ref_cnt[block_id] += 1
             block_ids.extend(new_computed_blocks)
             request.num_hashed_blocks = len(block_ids)
             self._record_query(request, num_hit * bs)
 
         new_blocks: list[int] = []
+        block_hash = self.block_hash
         for _ in range(num_needed):
-            block_id, _ = free_queue.popitem(last=False)
-            block = blocks[block_id]
-            if block.block_hash is not None:  # evict the least recently used cached block
-                del self.hash_to_block[block.block_hash]
-                block.block_hash = block.parent_hash = block.token_ids = None
-            block.ref_cnt = 1
+            block_id = free_queue.popleft()
+            if block_hash[block_id] is not None:  # evict the least recently used cached block
+                self._forget(block_id)
+            ref_cnt[block_id] = 1
             new_blocks.append(block_id)
         block_ids.extend(new_blocks)
         return new_blocks
@@ -217,34 +276,36 @@ class BlockManager:
         bs = self.block_size
         for i in range(start, num_full):
             h = hashes[i]
-            block = self.blocks[block_ids[i]]
-            if block.block_hash is None and h not in self.hash_to_block:
-                block.block_hash = h
-                block.parent_hash = hashes[i - 1] if i else ROOT_HASH
-                block.token_ids = tuple(tokens[i * bs : (i + 1) * bs])
-                self.hash_to_block[h] = block.block_id
+            block_id = block_ids[i]
+            if self.block_hash[block_id] is None and h not in self.hash_to_block:
+                self.block_hash[block_id] = h
+                self.block_key[block_id] = (hashes[i - 1] if i else ROOT_HASH, tuple(tokens[i * bs : (i + 1) * bs]))
+                self.hash_to_block[h] = block_id
         request.num_hashed_blocks = num_full
 
     # ------------------------------------------------------------------ release
 
     def free(self, request: Request) -> None:
         """Drop the request's references, tail block first. Idempotent."""
-        blocks = self.blocks
+        ref_cnt = self.ref_cnt
         free_queue = self.free_queue
         for block_id in reversed(request.block_ids):
-            block = blocks[block_id]
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                free_queue[block_id] = None
-                if block.block_hash is None:
-                    free_queue.move_to_end(block_id, last=False)  # nothing worth keeping: reuse first
+            ref_cnt[block_id] -= 1
+            if ref_cnt[block_id] == 0:
+                if self.block_hash[block_id] is None:
+                    free_queue.appendleft(block_id)  # nothing worth keeping: reuse first
+                else:
+                    free_queue.append(block_id)
         request.block_ids = []
         request.num_hashed_blocks = 0
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (e.g. after weights change). Blocks in use
         stay allocated; they just can no longer be found by new requests."""
-        for block_id in self.hash_to_block.values():
-            block = self.blocks[block_id]
-            block.block_hash = block.parent_hash = block.token_ids = None
-        self.hash_to_block.clear()
+        for block_id in list(self.hash_to_block.values()):
+            self._forget(block_id)
+
+    def _forget(self, block_id: int) -> None:
+        """Drop a block's prefix-cache entry (its KV is about to be overwritten)."""
+        del self.hash_to_block[self.block_hash[block_id]]
+        self.block_hash[block_id] = self.block_key[block_id] = None

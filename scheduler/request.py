@@ -33,6 +33,9 @@ class RequestStatus(enum.IntEnum):
         return _FINISH_REASONS.get(self)
 
 
+_NO_LIMIT = 1 << 62
+_NO_STOP_TOKENS: frozenset[int] = frozenset()  # shared: most requests have none
+
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
@@ -103,8 +106,9 @@ class Request:
         if max_model_len is not None:
             room = max(max_model_len - len(prompt_token_ids), 1)
             limit = room if limit is None else min(limit, room)
-        self.max_output_tokens: int = limit if limit is not None else 1 << 62
-        self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
+        self.max_output_tokens: int = limit if limit is not None else _NO_LIMIT
+        stop = sampling_params.stop_token_ids
+        self.stop_token_ids = frozenset(stop) if stop else _NO_STOP_TOKENS
 
     @classmethod
     def from_engine_core_request(cls, request: EngineCoreRequest, max_model_len: int | None = None) -> Request:

@@ -8,10 +8,10 @@ import collections
 
 import hypothesis.strategies as st
 from fake_runner import Collected, FakeRunner, make_request, reference_generate, step_scheduler
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from scheduler.block_manager import ROOT_HASH, BlockManager
+from scheduler.block_manager import ROOT_HASH, BlockManager, FreeBlockQueue
 from scheduler.config import SchedulerConfig
 from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import Scheduler
@@ -33,6 +33,32 @@ def admit(bm: BlockManager, req: Request) -> tuple[list[int], int]:
     return hits, num_hit
 
 
+@settings(max_examples=60, deadline=None)
+@given(num_blocks=st.integers(1, 6), ops=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5)), max_size=60))
+def test_free_block_queue_matches_an_ordered_dict(num_blocks, ops):
+    queue, model = FreeBlockQueue(num_blocks), collections.OrderedDict.fromkeys(range(num_blocks))
+    for op, pick in ops:
+        free = list(model)
+        taken = [b for b in range(num_blocks) if b not in model]
+        if op == 0 and free:
+            assert queue.popleft() == model.popitem(last=False)[0]
+        elif op == 1 and free:
+            b = free[pick % len(free)]
+            queue.remove(b)
+            del model[b]
+        elif op == 2 and taken:
+            b = taken[pick % len(taken)]
+            queue.append(b)
+            model[b] = None
+        elif op == 3 and taken:
+            b = taken[pick % len(taken)]
+            queue.appendleft(b)
+            model[b] = None
+            model.move_to_end(b, last=False)
+        assert list(queue) == list(model) and len(queue) == len(model)
+        assert all((b in queue) == (b in model) for b in range(num_blocks))
+
+
 def test_chained_hash_shares_only_the_common_prefix():
     bm = BlockManager(num_blocks=16, block_size=BS)
     a = new_req("a", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13])
@@ -42,7 +68,7 @@ def test_chained_hash_shares_only_the_common_prefix():
     b = new_req("b", [1, 2, 3, 4, 5, 6, 7, 0, 9, 10, 11, 12, 13])
     hits, num_hit = admit(bm, b)
     assert hits == a.block_ids[:1] and num_hit == 4
-    assert b.block_ids[0] == a.block_ids[0] and bm.blocks[a.block_ids[0]].ref_cnt == 2
+    assert b.block_ids[0] == a.block_ids[0] and bm.ref_cnt[a.block_ids[0]] == 2
     assert set(b.block_ids[1:]).isdisjoint(a.block_ids)
 
 
@@ -99,7 +125,7 @@ def test_freed_blocks_keep_their_hash_and_are_evicted_lru():
     assert hits == []
     new = bm.allocate_slots(c, 11, hits)
     assert new[0] == b_partial and new[2] == a_full and b_full not in new
-    assert bm.blocks[a_full].block_hash is None  # evicted: hash entry gone
+    assert bm.block_hash[a_full] is None  # evicted: hash entry gone
     assert len(bm.hash_to_block) == 1
     # b's block survives and is still found
     assert bm.get_computed_blocks(new_req("d", [5, 6, 7, 8, 1]))[0] == [b_full]
@@ -115,7 +141,7 @@ def test_hit_on_a_free_cached_block_takes_it_out_of_the_free_queue():
     hits, num_hit = bm.get_computed_blocks(b)
     assert hits == [cached] and num_hit == 4
     assert bm.allocate_slots(b, 5, hits) is not None
-    assert cached not in bm.free_queue and bm.blocks[cached].ref_cnt == 1
+    assert cached not in bm.free_queue and bm.ref_cnt[cached] == 1
     assert b.block_ids[0] == cached and len(b.block_ids) == 3
     assert bm.num_free_blocks == 0
 
@@ -133,7 +159,7 @@ def test_allocate_fails_without_side_effects():
     hits, _ = bm.get_computed_blocks(y)
     assert len(hits) == 1
     assert bm.allocate_slots(y, 9, hits) is None
-    assert bm.num_free_blocks == 2 and bm.blocks[hits[0]].ref_cnt == 0
+    assert bm.num_free_blocks == 2 and bm.ref_cnt[hits[0]] == 0
 
 
 def test_counters_are_in_tokens():
@@ -198,24 +224,24 @@ def check_block_invariants(sched: Scheduler) -> None:
             assert len(req.block_ids) * bm.block_size >= req.num_computed_tokens
         else:
             assert req.block_ids == [], f"{req} holds blocks while not running"
-    for block in bm.blocks:
+    for b in range(bm.num_blocks):
         # free xor referenced, and referenced exactly by the live requests holding it
-        assert (block.block_id in bm.free_queue) == (block.ref_cnt == 0), block
-        assert block.ref_cnt == holders[block.block_id], block
-        if block.block_hash is not None:
-            assert bm.hash_to_block[block.block_hash] == block.block_id
-    for h, block_id in bm.hash_to_block.items():
-        block = bm.blocks[block_id]
-        assert block.block_hash == h and len(block.token_ids) == bm.block_size
-        assert hash((block.parent_hash, block.token_ids)) == h
+        assert (b in bm.free_queue) == (bm.ref_cnt[b] == 0), b
+        assert bm.ref_cnt[b] == holders[b], b
+        if bm.block_hash[b] is not None:
+            assert bm.hash_to_block[bm.block_hash[b]] == b
+    for h, b in bm.hash_to_block.items():
+        parent, token_ids = bm.block_key[b]
+        assert bm.block_hash[b] == h == hash((parent, token_ids)) and len(token_ids) == bm.block_size
     # the cached blocks a running request maps hold that request's tokens
     for req in sched.requests.values():
         for i in range(req.num_hashed_blocks):
-            block = bm.blocks[req.block_ids[i]]
-            if block.block_hash is not None:
-                assert list(block.token_ids) == req.all_token_ids[i * bm.block_size : (i + 1) * bm.block_size]
-                assert block.block_hash == req.block_hashes[i]
-                assert block.parent_hash == (req.block_hashes[i - 1] if i else ROOT_HASH)
+            b = req.block_ids[i]
+            if bm.block_hash[b] is not None:
+                parent, token_ids = bm.block_key[b]
+                assert list(token_ids) == req.all_token_ids[i * bm.block_size : (i + 1) * bm.block_size]
+                assert bm.block_hash[b] == req.block_hashes[i]
+                assert parent == (req.block_hashes[i - 1] if i else ROOT_HASH)
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -292,7 +318,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert not self.sched.has_unfinished_requests()
         bm = self.sched.block_manager
         assert bm.num_free_blocks == bm.num_blocks and bm.usage == 0.0  # nothing leaked
-        assert all(b.ref_cnt == 0 for b in bm.blocks)
+        assert not any(bm.ref_cnt)
         # every request finished exactly once, with the tokens it would get alone
         assert set(self.collected.finish) == set(self.prompts)
         for req_id, prompt in self.prompts.items():

@@ -131,7 +131,7 @@ def test_prefix_of_a_running_request_is_shared_while_it_runs():
     assert so.num_scheduled_tokens["b"] == 1
     a, b = sched.requests["a"], sched.requests["b"]
     assert a.block_ids[:3] == b.block_ids[:3]
-    assert all(sched.block_manager.blocks[x].ref_cnt == 2 for x in a.block_ids[:3])
+    assert all(sched.block_manager.ref_cnt[x] == 2 for x in a.block_ids[:3])
     run_until_done(sched, runner, collected=got)
     assert got.tokens["b"] == reference_generate(shared + [2], 10, VOCAB)
     assert sched.block_manager.usage == 0.0
