@@ -210,7 +210,10 @@ class Scheduler:
             now = None
             while waiting and budget > 0 and len(running) < self.max_num_seqs:
                 req = waiting[0]
-                computed_blocks, num_computed = block_manager.get_computed_blocks(req)
+                if req.sampling_params.prompt_logprobs is None:
+                    computed_blocks, num_computed = block_manager.get_computed_blocks(req)
+                else:  # prompt logprobs need logits at every prompt position: compute them all
+                    computed_blocks, num_computed = [], 0
                 num_new = len(req.all_token_ids) - num_computed
                 if num_new > budget:
                     if not self.chunked_prefill:
@@ -237,6 +240,7 @@ class Scheduler:
                         sampling_params=req.sampling_params,
                         block_ids=list(req.block_ids),
                         num_computed_tokens=num_computed,
+                        eos_token_id=req.eos_token_id,
                     )
                 )
                 budget -= num_new

@@ -119,6 +119,26 @@ def test_shared_prefix_is_served_from_the_cache():
     assert stats.prefix_cache_hits_total == 32 and stats.prefix_cache_queries_total == 35 + 34
 
 
+def test_prompt_logprobs_requests_skip_the_prefix_cache():
+    # prompt logprobs need logits at every prompt position, so a cached prefix
+    # must be computed again for such a request
+    sched, runner = setup(block_size=16, num_blocks=32, max_num_batched_tokens=256)
+    shared = prompt(32, 5)
+    sched.add_request(make_request("a", shared + [1, 2, 3], max_tokens=2))
+    run_until_done(sched, runner)
+    sched.add_request(make_request("b", shared + [9, 9], max_tokens=2, prompt_logprobs=1))
+    so, _ = step_scheduler(sched, runner)
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 0
+    assert runner.computed["b"][0] == 0
+
+
+def test_new_request_data_carries_the_eos_token_id():
+    sched, runner = setup()
+    sched.add_request(make_request("a", prompt(5), eos_token_id=3, max_tokens=2))
+    so, _ = step_scheduler(sched, runner)
+    assert so.scheduled_new_reqs[0].eos_token_id == 3
+
+
 def test_prefix_of_a_running_request_is_shared_while_it_runs():
     sched, runner = setup(block_size=4, num_blocks=32, max_num_batched_tokens=64)
     shared = prompt(12, 3)
