@@ -72,8 +72,13 @@ def engine_core_main(
 
     from scheduler.zmq_engine import run_engine_loop
 
-    _send_startup(ctx, ready_addr, EngineReady(info=info))
     try:
-        run_engine_loop(core, input_addr, output_addr, context=ctx)
+        run_engine_loop(
+            core,
+            input_addr,
+            output_addr,
+            context=ctx,
+            on_connected=lambda: _send_startup(ctx, ready_addr, EngineReady(info=info)),
+        )
     finally:
         ctx.term()

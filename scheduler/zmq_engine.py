@@ -18,6 +18,7 @@ import logging
 import os
 import time
 import traceback
+from typing import Callable
 
 import msgspec
 import zmq
@@ -37,6 +38,10 @@ logger = logging.getLogger(__name__)
 
 OUTPUTS_FRAME = b"O"
 NOTICE_FRAME = b"N"
+
+
+class _ParentGone(Exception):
+    pass
 
 
 class _EngineLoop:
@@ -97,7 +102,7 @@ class _EngineLoop:
                     self.core.add_request(request)
                 except ValueError as e:
                     notice = EngineRequestRejected(req_id=request.req_id, message=str(e))
-                    self.output_sock.send_multipart([NOTICE_FRAME, self.encoder.encode(notice)])
+                    self._send([NOTICE_FRAME, self.encoder.encode(notice)])
         elif isinstance(msg, EngineAbortRequests):
             self.core.abort_requests(msg.req_ids)
         else:
@@ -106,7 +111,20 @@ class _EngineLoop:
     def _send_outputs(self, outputs: EngineCoreOutputs, now: float) -> None:
         if outputs.scheduler_stats is not None:
             self.last_stats_time = now
-        self.output_sock.send_multipart([OUTPUTS_FRAME, self.encoder.encode(outputs)], copy=False)
+        self._send([OUTPUTS_FRAME, self.encoder.encode(outputs)])
+
+    def _send(self, frames: list[bytes]) -> None:
+        """A PUSH socket blocks while it has no peer: never block for good.
+        No peer and no parent -> stop the loop."""
+        flags = zmq.NOBLOCK
+        while True:
+            try:
+                self.output_sock.send_multipart(frames, flags=flags, copy=False)
+                return
+            except zmq.Again:
+                if self._parent_gone():
+                    raise _ParentGone from None
+                flags = 0  # the API process is there but not connected (yet): wait, SNDTIMEO-bounded
 
     def _send_stats(self) -> None:
         stats = EngineCoreOutputs(scheduler_stats=self.core.make_stats(), timestamp=time.time())
@@ -119,9 +137,12 @@ def run_engine_loop(
     output_addr: str,
     stats_interval_s: float = 1.0,
     context: zmq.Context | None = None,
+    on_connected: Callable[[], None] | None = None,
 ) -> None:
     """Serve `core` until an EngineShutdown message arrives or the parent
-    process dies. The API process binds both addresses; we connect.
+    process dies. The API process binds both addresses; we connect, then
+    call `on_connected()` (the engine process reports ready there, so the
+    API process never sends before our input socket is connected).
 
     A crash inside the loop is reported as an EngineFatalError notice (so the
     API process can show the traceback) and then re-raised.
@@ -133,14 +154,19 @@ def run_engine_loop(
     output_sock = ctx.socket(zmq.PUSH)
     output_sock.setsockopt(zmq.SNDHWM, 0)
     output_sock.setsockopt(zmq.LINGER, 2000)
+    output_sock.setsockopt(zmq.SNDTIMEO, 1000)
     output_sock.connect(output_addr)
     try:
+        if on_connected is not None:
+            on_connected()
         _EngineLoop(core, input_sock, output_sock, stats_interval_s).run()
+    except _ParentGone:
+        logger.warning("the API process is gone; the engine core exits")
     except BaseException as e:
         if not isinstance(e, (KeyboardInterrupt, SystemExit)):
             notice = EngineFatalError(message=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
             try:
-                output_sock.send_multipart([NOTICE_FRAME, msgspec.msgpack.encode(notice)])
+                output_sock.send_multipart([NOTICE_FRAME, msgspec.msgpack.encode(notice)], flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
         raise

@@ -159,6 +159,7 @@ class AsyncEngineClient:
         self._input_sock = self._zmq.socket(zmq.PUSH)
         self._input_sock.setsockopt(zmq.SNDHWM, 0)  # never block the event loop
         self._input_sock.setsockopt(zmq.LINGER, 0)
+        self._input_sock.setsockopt(zmq.SNDTIMEO, 500)  # see _send
         self._input_sock.bind(input_addr)
         self._output_sock = self._azmq.socket(zmq.PULL)
         self._output_sock.setsockopt(zmq.RCVHWM, 0)
@@ -258,9 +259,9 @@ class AsyncEngineClient:
         queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
         self.output_processor.add_request(req_id, prompt_token_ids, params, request.arrival_time)
         self._queues[req_id] = queue
-        self._send(EngineAddRequests([request]))
         finished = False
         try:
+            self._send(EngineAddRequests([request]))
             pending: RequestDelta | BaseException | None = None
             while True:
                 item = pending if pending is not None else await queue.get()
@@ -276,11 +277,14 @@ class AsyncEngineClient:
                         break
                     item.merge(later)
                 finished = item.finished
+                if finished:  # free the id now, even if the consumer never resumes us
+                    self._queues.pop(req_id, None)
                 yield item
                 if finished:
                     return
         finally:
-            self._queues.pop(req_id, None)
+            if self._queues.get(req_id) is queue:
+                del self._queues[req_id]
             if not finished:
                 self._abort_now([req_id])
 
@@ -291,16 +295,35 @@ class AsyncEngineClient:
             queue = self._queues.get(delta.req_id)
             if queue is not None:
                 queue.put_nowait(delta)
-        if self._dead_error is None and not self._closed:
-            self._send(EngineAbortRequests(req_ids))
+        self._abort_now(req_ids)
 
     def _abort_now(self, req_ids: list[str]) -> None:
+        """Abort from a `finally` (consumer gone): never raises."""
         self.output_processor.abort_requests(req_ids)
         if self._dead_error is None and not self._closed:
-            self._send(EngineAbortRequests(req_ids))
+            try:
+                self._send(EngineAbortRequests(req_ids))
+            except EngineDeadError:
+                pass
 
     def _send(self, msg: EngineAddRequests | EngineAbortRequests | EngineShutdown) -> None:
-        self._input_sock.send(self._encoder.encode(msg), copy=False)
+        """Send without blocking the event loop for good: a PUSH socket with
+        no peer (the engine died, not yet noticed) would wait forever."""
+        data = self._encoder.encode(msg)
+        try:
+            self._input_sock.send(data, zmq.NOBLOCK, copy=False)
+            return
+        except zmq.Again:
+            pass
+        if self._proc is not None and self._proc.is_alive():
+            try:  # connected a moment ago or reconnecting: a short, bounded wait
+                self._input_sock.send(data, copy=False)
+                return
+            except zmq.Again:
+                pass
+        self._set_dead(EngineDeadError("the engine core is not reachable"))
+        assert self._dead_error is not None
+        raise self._dead_error
 
     # -- health and stats --------------------------------------------------
 
@@ -345,7 +368,7 @@ class AsyncEngineClient:
                 queue = self._queues.get(delta.req_id)
                 if queue is not None:
                     queue.put_nowait(delta)
-            if processed.reqs_to_abort:
+            if processed.reqs_to_abort and self._dead_error is None:
                 self._send(EngineAbortRequests(processed.reqs_to_abort))
         if outputs.scheduler_stats is not None:
             self.latest_stats = outputs.scheduler_stats
@@ -395,7 +418,7 @@ class AsyncEngineClient:
         if proc is not None and proc.is_alive() and not kill:
             try:
                 self._send(EngineShutdown())
-            except zmq.ZMQError:
+            except (zmq.ZMQError, EngineDeadError):
                 pass
             deadline = time.monotonic() + timeout
             while proc.is_alive() and time.monotonic() < deadline:

@@ -266,3 +266,32 @@ def test_real_engine_on_tiny_model_matches_in_process_engine(tiny_model_dir):
         ]
         flat = lambda positions: [lp.logprob for pos in positions for lp in pos.values()]  # noqa: E731
         assert flat(got) == pytest.approx(flat(c.logprobs), abs=1e-4)
+
+
+def test_engine_exits_when_the_api_process_dies():
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    code = (
+        "import sys, asyncio, os\n"
+        f"sys.path.insert(0, {tests_dir!r})\n"
+        "from scheduler.config import EngineConfig\n"
+        "from server.engine_client import AsyncEngineClient\n"
+        "async def main():\n"
+        "    c = await AsyncEngineClient.create(EngineConfig(max_model_len=256), engine_builder='test_engine_client:build_fake_engine')\n"
+        "    print(c.engine_pid, flush=True)\n"
+        "    os.kill(os.getpid(), 9)\n"
+        "asyncio.run(main())\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    engine_pid = int(proc.stdout.split()[0])
+
+    def alive(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 5
+    while alive(engine_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(engine_pid), "orphaned engine core still running"
