@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field
 
 from server.errors import APIError
 
@@ -189,15 +189,12 @@ class ChatCompletionResponse(_Response):
 
 
 class ChatDelta(_Response):
-    """Streamed message delta; unset fields are left out, as OpenAI does:
-    {"role": "assistant", "content": ""} first, then {"content": "..."}, then {}."""
+    """Streamed message delta. Fields that are None are left out of the event,
+    as OpenAI does: {"role": "assistant", "content": ""} first, then
+    {"content": "..."}, then {} with the finish reason."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler: Any) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatStreamChoice(_Response):

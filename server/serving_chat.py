@@ -186,7 +186,6 @@ class ChatHandler:
         opts = req.stream_options
         include_usage = opts is not None and opts.include_usage
         continuous = include_usage and opts is not None and opts.continuous_usage_stats
-        exclude = None if include_usage else {"usage"}
 
         def chunk(index: int, delta: ChatDelta, logprobs: ChatLogprobs | None = None,
                   finish_reason: str | None = None) -> bytes:
@@ -195,6 +194,11 @@ class ChatHandler:
                 choices=[ChatStreamChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)],
                 usage=_usage(seqs) if continuous else None,
             )
+            # {"content": "x"}, not {"role": null, "content": "x"}; no usage key unless asked for
+            exclude: dict[str, Any] = {"choices": {0: {"delta": {k for k in ("role", "content")
+                                                                 if getattr(delta, k) is None}}}}
+            if not include_usage:
+                exclude["usage"] = True
             return sse_event(c, exclude=exclude)
 
         try:

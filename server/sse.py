@@ -13,7 +13,8 @@ from starlette.types import Receive, Scope, Send
 DONE = b"data: [DONE]\n\n"
 
 
-def sse_event(payload: BaseModel | dict[str, Any], exclude: set[str] | None = None) -> bytes:
+def sse_event(payload: BaseModel | dict[str, Any], exclude: Any = None) -> bytes:
+    """One event; `exclude` is pydantic's (a set of field names, or a nested dict)."""
     if isinstance(payload, BaseModel):
         body = payload.model_dump_json(exclude=exclude)
     else:
