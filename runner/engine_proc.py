@@ -50,12 +50,18 @@ def engine_core_main(
     output_addr: str,
     ready_addr: str,
     engine_builder: str | None = None,
+    log_level: int | str | None = None,
 ) -> None:
+    """log_level: the API process's level (its logging setup is not inherited
+    across spawn); None -> $SERVAL_LOG_LEVEL or INFO."""
     # Ctrl-C in a terminal reaches the whole process group: let the API
     # process decide (it sends EngineShutdown); SIGTERM exits at once.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    logging.basicConfig(level=os.environ.get("SERVAL_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s engine: %(message)s")
+    logging.basicConfig(
+        level=log_level if log_level is not None else os.environ.get("SERVAL_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s engine: %(message)s",
+    )
 
     ctx = zmq.Context()
     try:

@@ -77,12 +77,17 @@ class RequestRejectedError(ValueError):
 
 
 def _engine_process_entry(
-    config: EngineConfig, input_addr: str, output_addr: str, ready_addr: str, engine_builder: str | None
+    config: EngineConfig,
+    input_addr: str,
+    output_addr: str,
+    ready_addr: str,
+    engine_builder: str | None,
+    log_level: int,
 ) -> None:
     # runs in the spawned child: the only place runner (and torch) is imported
     from runner.engine_proc import engine_core_main
 
-    engine_core_main(config, input_addr, output_addr, ready_addr, engine_builder)
+    engine_core_main(config, input_addr, output_addr, ready_addr, engine_builder, log_level)
 
 
 def _stop_process(proc: multiprocessing.process.BaseProcess, tmp_dir: str) -> None:
@@ -171,7 +176,14 @@ class AsyncEngineClient:
 
         proc = multiprocessing.get_context("spawn").Process(
             target=_engine_process_entry,
-            args=(self.config, input_addr, output_addr, ready_addr, engine_builder),
+            args=(
+                self.config,
+                input_addr,
+                output_addr,
+                ready_addr,
+                engine_builder,
+                logging.getLogger().getEffectiveLevel(),
+            ),
             name="serval-engine-core",
         )
         proc.start()

@@ -66,7 +66,10 @@ class Tokenizer:
         self.eos_token_ids: list[int] = eos
         self.all_special_ids: set[int] = set(hf.all_special_ids)
         self.vocab_size: int = len(hf)  # includes added tokens
-        self.chat_template: str | None = hf.chat_template if isinstance(hf.chat_template, str) else None
+        # a few models ship named templates: {"default": ..., "tool_use": ...}
+        templates = hf.chat_template if isinstance(hf.chat_template, dict) else {"default": hf.chat_template}
+        self.chat_template: str | None = templates.get("default")
+        self.tool_chat_template: str | None = templates.get("tool_use")
         self._token_text_cache: dict[int, str] = {}
 
     def __len__(self) -> int:
@@ -100,7 +103,9 @@ class Tokenizer:
     ) -> list[int] | str:
         """Render a conversation. tokenize=True: prompt token ids (the template
         writes its own special tokens, so none are added); False: the text."""
-        template = load_chat_template(chat_template) or self.chat_template
+        template = load_chat_template(chat_template)
+        if template is None:
+            template = (tools and self.tool_chat_template) or self.chat_template
         if template is None:
             raise ChatTemplateError(
                 f"the tokenizer of {self.name_or_path} has no chat template; pass --chat-template FILE"
