@@ -121,13 +121,9 @@ def validation_error_to_api_error(exc: RequestValidationError) -> APIError:
     if kind == "missing" and loc == ("body",):
         return APIError("The request body is missing; send a JSON object.", code="invalid_json")
     if kind == "model_attributes_type" and loc == ("body",):
-        return APIError("The request body must be a JSON object.", code="invalid_json")
+        return APIError("The request body must be a JSON object (sent with Content-Type: application/json).",
+                        code="invalid_json")
     msg = first.get("msg", "invalid value")
-    # A value error raised by our own validators already names the field.
-    if kind == "value_error":
-        msg = msg.removeprefix("Value error, ")
-        return APIError(msg if param and msg.startswith(param.split(".")[0].split("[")[0]) else f"{param}: {msg}",
-                        param=param, code="invalid_value")
     if len(errors) > 1 and param is not None:
         # Union types report one error per member; say what was received once.
         same_field = [e for e in errors if _loc_to_param(tuple(e.get("loc", ()))) == param]
