@@ -24,6 +24,7 @@ import torch
 from runner.attention import default_backend_name, get_backend_cls
 from runner.kv_cache import KVCacheSpec, determine_num_blocks
 from runner.model_runner import ModelRunner
+from runner.structured_output import GrammarMatchers, build_grammar_cache
 from scheduler.config import ConfigError, EngineConfig, SchedulerConfig, resolve_model
 from scheduler.engine_core import EngineCore
 from scheduler.types import EngineInfo
@@ -84,6 +85,8 @@ def build_engine_core(config: EngineConfig) -> tuple[EngineCore, EngineInfo]:
     max_num_batched_tokens = config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS.get(device.type, 1024)
 
     kv_caches = spec.allocate(num_blocks, device)
+    # guided decoding: grammars compile on the cache's threads, matchers live in the runner
+    grammar_cache = build_grammar_cache(config, model_config.vocab_size, list(model_config.eos_token_ids))
     runner = ModelRunner(
         model,
         kv_caches,
@@ -95,6 +98,7 @@ def build_engine_core(config: EngineConfig) -> tuple[EngineCore, EngineInfo]:
         device=device,
         eos_token_ids=model_config.eos_token_ids,
         seed=config.seed,
+        grammar_matchers=GrammarMatchers(grammar_cache, model_config.vocab_size, config.max_num_seqs, device),
     )
     scheduler_config = SchedulerConfig(
         max_num_seqs=config.max_num_seqs,
@@ -104,7 +108,7 @@ def build_engine_core(config: EngineConfig) -> tuple[EngineCore, EngineInfo]:
         enable_prefix_caching=config.enable_prefix_caching,
         enable_chunked_prefill=True,
     )
-    core = EngineCore(scheduler_config, runner, num_blocks)
+    core = EngineCore(scheduler_config, runner, num_blocks, grammar_cache=grammar_cache)
     info = EngineInfo(
         model=config.served_model_name or source.name,
         device=str(device),

@@ -23,6 +23,7 @@ from models.forward_context import ForwardContext, forward_context
 from runner.attention import AttentionInputs, RunnerAttentionBackend
 from runner.input_batch import CpuGpuBuffer, InputBatch
 from runner.sampler import Sampler, SamplingMetadata, make_logprobs
+from runner.structured_output import GrammarMatchers
 from scheduler.types import EMPTY_RUNNER_OUTPUT, Logprob, RunnerOutput, SchedulerOutput
 
 # prompt logprobs: compute logits for at most this many positions at once
@@ -62,8 +63,11 @@ class ModelRunner:
         eos_token_ids: tuple[int, ...] = (),
         seed: int = 0,
         logprobs_mode: str = "processed",
+        grammar_matchers: GrammarMatchers | None = None,
     ):
         self.model = model
+        # guided decoding: one grammar matcher per running guided request
+        self.grammar_matchers = grammar_matchers
         self.kv_caches = kv_caches  # one per layer: [num_blocks, 2, block_size, num_kv_heads, head_dim]
         self.backend = backend
         self.device = device
@@ -98,16 +102,27 @@ class ModelRunner:
         with forward_context(ForwardContext(self.backend, meta, self.kv_caches)):
             hidden = self.model(step.input_ids, step.positions)  # [num_tokens, hidden]
 
+        # guided rows' token bitmasks, filled on the CPU while the device runs the forward
+        guided = None
+        if self.grammar_matchers:  # some running request is guided
+            sample_req_ids = [step.req_ids[i] for i in step.sample_reqs.tolist()]
+            guided = self.grammar_matchers.fill_bitmask(sample_req_ids)
+
         prompt_logprobs = self._prompt_logprobs(hidden, step)
         sample_rows = step.rows[step.sample_reqs]
         sampled: list[int] = []
         logprobs = None
         if sample_rows.size:
             logits = self.model.compute_logits(hidden[step.logits_indices])  # [num_sampling, vocab]
-            out = self.sampler(logits, SamplingMetadata.from_batch(self.batch, sample_rows))
+            meta = SamplingMetadata.from_batch(self.batch, sample_rows)
+            if guided is not None:
+                meta.bitmask_rows, meta.token_bitmask = guided
+            out = self.sampler(logits, meta)
             sampled = out.sampled_token_ids.tolist()
             for row, token_id in zip(sample_rows.tolist(), sampled):
                 self.batch.append_token(row, token_id)
+            if guided is not None:
+                self.grammar_matchers.accept(sample_req_ids, sampled)
             if out.logprobs is not None:
                 logprobs = [None] * len(step.req_ids)
                 for i, lp in zip(step.sample_reqs.tolist(), out.logprobs):
@@ -126,10 +141,15 @@ class ModelRunner:
     # ------------------------------------------------------------------
     def _update_batch(self, sched_out: SchedulerOutput) -> None:
         batch = self.batch
+        grammar_matchers = self.grammar_matchers
         for req_id in sched_out.finished_req_ids:
             batch.remove_request(req_id)  # unknown ids are ignored
+            if grammar_matchers is not None:
+                grammar_matchers.remove_request(req_id)
         for req in sched_out.scheduled_new_reqs:
             batch.add_request(req)
+            if grammar_matchers is not None:
+                grammar_matchers.add_request(req)  # a resumed request replays its outputs
         cached = sched_out.scheduled_cached_reqs
         for req_id, new_block_ids, num_computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens

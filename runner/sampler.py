@@ -8,6 +8,7 @@ Order of operations on the logits (float32, [num_rows, vocab]):
                                          logits divided by it, negative multiplied)
  4. frequency / presence penalties      (OpenAI: over output tokens,
                                          logit -= freq * count + presence * (count > 0))
+ 4b. guided decoding                    (grammar bitmask: disallowed tokens -> -inf)
     -> logprobs are taken HERE by default ("processed": after penalties,
        bias and min_tokens, before temperature/top-k/top-p/min-p);
        logprobs_mode="raw" takes them from the model's logits instead.
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 
 from runner.input_batch import InputBatch, SamplingColumns
+from runner.structured_output import apply_token_bitmask
 from scheduler.types import Logprob
 
 _MASK64 = (1 << 64) - 1
@@ -54,6 +56,10 @@ class SamplingMetadata:
     # sliced only when a penalty needs them
     all_token_ids: np.ndarray  # [>= num_rows, >= max(num_tokens)] int32
     token_rows: np.ndarray  # [num_rows] int64
+    # guided decoding: rows bitmask_rows[k] may only sample the tokens whose
+    # bit is set in token_bitmask[k] (runner.structured_output's layout)
+    token_bitmask: torch.Tensor | None = None  # [num_guided, ceil(vocab / 32)] int32, on the device
+    bitmask_rows: np.ndarray | None = None  # [num_guided] int64, rows of the logits
 
     @classmethod
     def from_batch(cls, batch: InputBatch, rows: np.ndarray) -> "SamplingMetadata":
@@ -132,11 +138,13 @@ class Sampler:
         return SamplerOutput(tokens, out_logprobs)
 
     def process_logits(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """Steps 1-4 (logit_bias, min_tokens, penalties), in place on
-        float32 logits [num_rows, vocab]; returns them."""
+        """Steps 1-4b (logit_bias, min_tokens, penalties, grammar bitmask), in
+        place on float32 logits [num_rows, vocab]; returns them."""
         self._apply_logit_bias(logits, meta)
         self._apply_min_tokens(logits, meta)
         self._apply_penalties(logits, meta)
+        if meta.token_bitmask is not None:
+            apply_token_bitmask(logits, meta.token_bitmask, _index(meta.bitmask_rows, logits.device))
         return logits
 
     # -- logits processors (in place) -------------------------------------
