@@ -23,6 +23,7 @@ from scheduler.types import (
     SamplingParamsError,
     SchedulerOutput,
     SchedulerStats,
+    StructuredOutputSpec,
 )
 
 __all__ = [
@@ -51,4 +52,5 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerOutput",
     "SchedulerStats",
+    "StructuredOutputSpec",
 ]

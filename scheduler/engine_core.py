@@ -8,6 +8,10 @@ The ZMQ engine-core process wraps one `EngineCore` and calls
 `add_request` / `abort_requests` between steps, `step()` while
 `has_unfinished_requests()`. `InprocClient` gives the same surface inside one
 process (offline `LLM` API, tests).
+
+A guided request (structured output) waits outside the scheduler until its
+grammar is compiled on a worker thread (scheduler.structured_output); an
+invalid grammar becomes an ERROR output without ever being scheduled.
 """
 
 from __future__ import annotations
@@ -17,8 +21,10 @@ from typing import Iterable, Protocol, runtime_checkable
 
 from scheduler.config import SchedulerConfig
 from scheduler.scheduler import Scheduler
+from scheduler.structured_output import GrammarCache, GuidedRequests, error_output
 from scheduler.types import (
     EMPTY_RUNNER_OUTPUT,
+    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     RunnerOutput,
@@ -36,40 +42,101 @@ class ModelRunnerProtocol(Protocol):
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput: ...
 
 
-class EngineCore:
-    """A scheduler and a runner, stepped together. Token ids only."""
+# With only grammar compiles in flight, a step waits this long for one to
+# finish instead of spinning (new requests and aborts wait at most as long).
+_GRAMMAR_WAIT_S = 0.005
 
-    def __init__(self, scheduler_config: SchedulerConfig, runner: ModelRunnerProtocol, num_blocks: int) -> None:
+
+class EngineCore:
+    """A scheduler and a runner, stepped together. Token ids only.
+
+    grammar_cache: compiles the grammars of guided requests (the runner side
+    builds it around its grammar backend, and reads compiled grammars from
+    it); None: guided requests are rejected.
+    """
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        runner: ModelRunnerProtocol,
+        num_blocks: int,
+        grammar_cache: GrammarCache | None = None,
+    ) -> None:
         self.scheduler = Scheduler(scheduler_config, num_blocks)
         self.runner = runner
+        self.guided = GuidedRequests(grammar_cache) if grammar_cache is not None else None
+        self._early_outputs: list[EngineCoreOutput] = []  # aborts of held guided requests
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Raises ValueError if the scheduler rejects it (see Scheduler.add_request)."""
-        self.scheduler.add_request(request)
+        """Raises ValueError if the scheduler rejects it (see Scheduler.add_request).
+        A guided request is checked the same way, then held until its grammar
+        is compiled (see step)."""
+        if request.sampling_params.structured_output is None:
+            if self.guided is not None and request.req_id in self.guided:
+                raise ValueError(f"request id {request.req_id!r} is already in use")
+            self.scheduler.add_request(request)
+            return
+        if self.guided is None:
+            raise ValueError("structured outputs are not available: this engine has no grammar backend")
+        self.scheduler.check_request(request)
+        self.guided.add(request)
 
     def abort_requests(self, req_ids: Iterable[str]) -> None:
+        if isinstance(req_ids, str):
+            req_ids = (req_ids,)
+        if self.guided is not None and len(self.guided):
+            req_ids = list(req_ids)
+            self._early_outputs.extend(self.guided.abort(req_ids))
         self.scheduler.abort_requests(req_ids)
+
+    def _admit_guided(self) -> list[EngineCoreOutput]:
+        """Hand compiled guided requests to the scheduler; ERROR outputs for
+        the ones whose grammar failed (or that the scheduler refuses now)."""
+        assert self.guided is not None
+        if not self.scheduler.has_unfinished_requests():
+            self.guided.wait(_GRAMMAR_WAIT_S)  # nothing else to do meanwhile
+        ready, outputs = self.guided.pop_ready()
+        for request in ready:
+            try:
+                self.scheduler.add_request(request)
+            except ValueError as e:
+                outputs.append(error_output(request.req_id, str(e)))
+        return outputs
 
     def step(self) -> EngineCoreOutputs:
         """Run one step. Returns the outputs of every request that produced
-        tokens or finished (aborts included), with the scheduler's stats."""
+        tokens or finished (aborts and grammar errors included), with the
+        scheduler's stats."""
+        early = self._early_outputs
+        self._early_outputs = []
+        if self.guided is not None and len(self.guided):
+            early.extend(self._admit_guided())
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.total_num_scheduled_tokens > 0:
             runner_output = self.runner.execute(scheduler_output)
         else:
             runner_output = EMPTY_RUNNER_OUTPUT  # only abort notices come out
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if early:
+            outputs = early + outputs
         return EngineCoreOutputs(
             outputs=outputs,
-            scheduler_stats=self.scheduler.make_stats(),
+            scheduler_stats=self.make_stats(),
             timestamp=time.time(),
         )
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return (
+            self.scheduler.has_unfinished_requests()
+            or bool(self._early_outputs)
+            or (self.guided is not None and len(self.guided) > 0)
+        )
 
     def make_stats(self) -> SchedulerStats:
-        return self.scheduler.make_stats()
+        stats = self.scheduler.make_stats()
+        if self.guided is not None:
+            stats.num_waiting_reqs += len(self.guided)  # held for their grammar
+        return stats
 
     def reset_prefix_cache(self) -> None:
         self.scheduler.reset_prefix_cache()

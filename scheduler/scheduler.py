@@ -81,6 +81,13 @@ class Scheduler:
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request. Raises ValueError for a duplicate id, an empty
         prompt, or a prompt longer than max_model_len / the KV cache."""
+        self.check_request(request)
+        req = Request.from_engine_core_request(request, self.max_model_len)
+        self.requests[req.req_id] = req
+        self.waiting.append(req)
+
+    def check_request(self, request: EngineCoreRequest) -> None:
+        """Raise the ValueError add_request would raise, without queueing it."""
         if request.req_id in self.requests:
             raise ValueError(f"request id {request.req_id!r} is already in use")
         num_prompt = len(request.prompt_token_ids)
@@ -95,9 +102,6 @@ class Scheduler:
                 f"request {request.req_id!r}: the prompt has {num_prompt} tokens, "
                 f"more than {why}"
             )
-        req = Request.from_engine_core_request(request, self.max_model_len)
-        self.requests[req.req_id] = req
-        self.waiting.append(req)
 
     def abort_requests(self, req_ids: Iterable[str]) -> None:
         """Finish the given requests now, wherever they are, freeing their

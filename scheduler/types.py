@@ -28,6 +28,38 @@ class SamplingParamsError(ValueError):
         self.param = param
 
 
+STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+class StructuredOutputSpec(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A constraint on the output, compiled into a grammar by the engine core.
+
+    kind:  "json" (value: a JSON schema, as JSON text), "json_object" (any
+           JSON object; value ""), "regex" (value: the regex), "choice"
+           (value: a JSON list of the allowed strings), "grammar" (value: EBNF
+           as xgrammar reads it, root rule `root`).
+    param: the request field it came from ("response_format",
+           "guided_regex", "structured_outputs.json", "tools"...), so a
+           schema the engine cannot compile becomes a 400 naming that field.
+    Frozen and hashable: (kind, value) is the grammar cache key.
+    """
+
+    kind: str
+    value: str = ""
+    param: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_OUTPUT_KINDS:
+            raise SamplingParamsError(
+                self.param or "structured_output",
+                f"structured output kind must be one of {', '.join(STRUCTURED_OUTPUT_KINDS)}, got {self.kind!r}",
+            )
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.kind, self.value)
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """How to sample one request. Field names and meanings follow vLLM/OpenAI.
 
@@ -55,8 +87,17 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logprobs: int | None = None  # top-N logprobs per generated token (0: only the sampled one)
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token
     skip_special_tokens: bool = True
+    # guided decoding: the output follows this grammar, then ends with EOS.
+    # A guided request always ends when its grammar does: ignore_eos and
+    # min_tokens are turned off for it (else EOS, the only token a complete
+    # grammar allows, could never end it); max_tokens still applies.
+    structured_output: StructuredOutputSpec | None = None
 
     def __post_init__(self) -> None:
+        if self.structured_output is not None:
+            self.ignore_eos = False
+            self.min_tokens = 0
+
         def check(ok: bool, param: str, msg: str) -> None:
             if not ok:
                 raise SamplingParamsError(param, f"{param} {msg}")
@@ -143,9 +184,10 @@ class FinishReason(enum.IntEnum):
     STOP = 0  # EOS, a stop token id, or (decided by the detokenizer) a stop string
     LENGTH = 1  # max_tokens or max_model_len reached
     ABORT = 2  # client went away, or an abort was asked for
+    ERROR = 3  # the request could not run (e.g. its grammar does not compile); see EngineCoreOutput.error
 
     def __str__(self) -> str:
-        return ("stop", "length", "abort")[self.value]
+        return ("stop", "length", "abort", "error")[self.value]
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -185,6 +227,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # engine wall-clock time (time.time()) the request was first scheduled;
     # set on its first output only, for the queue-time metric
     first_scheduled_time: float | None = None
+    # with finish_reason ERROR: why, for the user (the request never ran)
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

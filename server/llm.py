@@ -216,6 +216,9 @@ class LLM:
         start = time.perf_counter()
         while self.output_processor.has_unfinished_requests():
             outputs = self.engine.step()
+            for out in outputs.outputs:
+                if out.error is not None:  # e.g. a structured output whose grammar does not compile
+                    raise ValueError(f"request {out.req_id}: {out.error}")
             processed = self.output_processor.process_outputs(outputs.outputs)
             if processed.reqs_to_abort:
                 self.engine.abort_requests(processed.reqs_to_abort)
