@@ -138,7 +138,7 @@ def main() -> None:
         "bench": "llm_cpu",
         "host": host_description(),
         "date": datetime.date.today().isoformat(),
-        "command": "python bench/bench_llm_cpu.py " + " ".join(sys.argv[1:]),
+        "command": " ".join(["python bench/bench_llm_cpu.py", *sys.argv[1:]]),
         "model": f"{source.name} (Q4_1 GGUF dequantised to float32), embedded default",
         "workload": {
             "num_prompts": args.num_prompts,
