@@ -375,6 +375,9 @@ class AsyncEngineClient:
 
     def _handle_outputs(self, outputs: EngineCoreOutputs) -> None:
         if outputs.outputs:
+            for out in outputs.outputs:
+                if out.error is not None:  # could not run (e.g. a grammar that does not compile)
+                    self._reject(out.req_id, out.error)
             processed = self.output_processor.process_outputs(outputs.outputs)
             for delta in processed.deltas:
                 queue = self._queues.get(delta.req_id)
@@ -392,13 +395,16 @@ class AsyncEngineClient:
 
     def _handle_notice(self, notice: EngineRequestRejected | EngineFatalError) -> None:
         if isinstance(notice, EngineRequestRejected):
-            self.output_processor.abort_requests([notice.req_id])
-            queue = self._queues.get(notice.req_id)
-            if queue is not None:
-                queue.put_nowait(RequestRejectedError(notice.message))
+            self._reject(notice.req_id, notice.message)
         else:
             logger.error("engine core crashed: %s\n%s", notice.message, notice.traceback)
             self._set_dead(EngineDeadError(f"engine core crashed: {notice.message}"))
+
+    def _reject(self, req_id: str, message: str) -> None:
+        self.output_processor.abort_requests([req_id])
+        queue = self._queues.get(req_id)
+        if queue is not None:
+            queue.put_nowait(RequestRejectedError(message))
 
     async def _monitor_process(self) -> None:
         assert self._proc is not None

@@ -47,7 +47,16 @@ def build_fake_engine(config: EngineConfig) -> tuple[EngineCore, EngineInfo]:
     sched = SchedulerConfig(
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=512, max_model_len=max_model_len, block_size=block_size
     )
-    core = EngineCore(sched, SlowFakeRunner(num_blocks, block_size, vocab_size=VOCAB), num_blocks)
+    class FakeCore(EngineCore):
+        def add_request(self, request):
+            if request.req_id.startswith("error-"):  # as a grammar that fails to compile
+                from scheduler.structured_output import error_output
+
+                self._early_outputs.append(error_output(request.req_id, "the grammar is bad"))
+                return
+            super().add_request(request)
+
+    core = FakeCore(sched, SlowFakeRunner(num_blocks, block_size, vocab_size=VOCAB), num_blocks)
     info = EngineInfo(
         model="fake", device="cpu", dtype="none", max_model_len=max_model_len, block_size=block_size,
         num_blocks=num_blocks, max_num_seqs=config.max_num_seqs, vocab_size=VOCAB,
@@ -169,6 +178,9 @@ def test_rejected_request_raises():
                 await collect(client.generate("big", list(range(300)), SamplingParams()))
             with pytest.raises(ValueError):
                 await collect(client.generate("n2", [1], SamplingParams(n=2)))
+            with pytest.raises(RequestRejectedError, match="the grammar is bad"):
+                await collect(client.generate("error-1", [1, 2], SamplingParams()))
+            assert not client.output_processor.has_unfinished_requests()
         finally:
             await client.shutdown()
 
