@@ -9,9 +9,10 @@ Order of operations on the logits (float32, [num_rows, vocab]):
  4. frequency / presence penalties      (OpenAI: over output tokens,
                                          logit -= freq * count + presence * (count > 0))
  4b. guided decoding                    (grammar bitmask: disallowed tokens -> -inf)
-    -> logprobs are taken HERE by default ("processed": after penalties,
-       bias and min_tokens, before temperature/top-k/top-p/min-p);
-       logprobs_mode="raw" takes them from the model's logits instead.
+    -> logprobs_mode="processed" takes logprobs HERE (after penalties,
+       bias, min_tokens and the grammar, before temperature/top-k/top-p/min-p).
+       The default, "raw", takes them from the model's logits before step 1,
+       as vLLM and OpenAI report them: the model's own distribution.
  5. greedy rows (temperature ~ 0, or top_k == 1): argmax, done
  6. temperature, top-k, top-p, min-p, then a draw.
 
@@ -97,7 +98,7 @@ class Sampler:
         eos_token_ids: list[int] | tuple[int, ...],
         device: torch.device,
         seed: int = 0,
-        logprobs_mode: str = "processed",
+        logprobs_mode: str = "raw",
     ):
         if logprobs_mode not in ("processed", "raw"):
             raise ValueError(f"logprobs_mode must be 'processed' or 'raw', got {logprobs_mode!r}")

@@ -303,15 +303,15 @@ def test_logprobs_values_and_rank():
     assert len(ranks) > 1  # sampled rows do pick non-argmax tokens
 
 
-def test_logprobs_are_after_penalties_before_temperature():
+def test_logprobs_are_raw_by_default_or_after_penalties_before_temperature():
     logits = torch.tensor([[1.0, 2.0, 3.0, 0.5]])
     params = [SamplingParams(temperature=0.5, repetition_penalty=2.0, logprobs=1)]
     meta = make_meta(params, prompts=[[2]])
-    out = Sampler([EOS], CPU)(logits, meta)
+    out = Sampler([EOS], CPU, logprobs_mode="processed")(logits, meta)
     processed = torch.tensor([[1.0, 2.0, 1.5, 0.5]])  # token 2 divided by 2, no temperature
     ref = torch.log_softmax(processed, -1)[0]
     assert out.logprobs[0].token_ids[1] == 1
     assert out.logprobs[0].logprobs[1] == pytest.approx(ref[1].item(), abs=1e-6)
-    raw = Sampler([EOS], CPU, logprobs_mode="raw")(logits, meta)
+    raw = Sampler([EOS], CPU)(logits, meta)
     assert raw.logprobs[0].token_ids[1] == 2
     assert raw.logprobs[0].logprobs[1] == pytest.approx(torch.log_softmax(logits, -1)[0, 2].item(), abs=1e-6)
