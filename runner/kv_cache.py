@@ -43,17 +43,20 @@ class KVCacheSpec:
         return [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(self.num_layers)]
 
 
-def determine_num_blocks(config: EngineConfig, spec: KVCacheSpec, device: torch.device) -> int:
+def determine_num_blocks(
+    config: EngineConfig, spec: KVCacheSpec, device: torch.device, reserved_bytes: int | None = None
+) -> int:
     """How many KV blocks to allocate.
 
     num_gpu_blocks_override wins (tests); on CPU --kv-cache-memory GiB; on
-    CUDA see `cuda_num_blocks`.
+    CUDA see `cuda_num_blocks` (`reserved_bytes`: what `profile_cuda_memory`
+    measured for activations and graphs).
     """
     if config.num_gpu_blocks_override is not None:
         num_blocks = config.num_gpu_blocks_override
         source = f"num_gpu_blocks_override={num_blocks}"
     elif device.type == "cuda":
-        num_blocks = cuda_num_blocks(spec, device, config.gpu_memory_utilization)
+        num_blocks = cuda_num_blocks(spec, device, config.gpu_memory_utilization, reserved_bytes)
         source = f"--gpu-memory-utilization {config.gpu_memory_utilization}"
     else:
         num_blocks = spec.num_blocks_for(config.kv_cache_memory_gb * _GiB)
@@ -74,22 +77,110 @@ def determine_num_blocks(config: EngineConfig, spec: KVCacheSpec, device: torch.
     return num_blocks
 
 
-# Activation headroom kept free on CUDA until the profile run exists.
+# Activation headroom kept free on CUDA when no profile run was made.
 _CUDA_ACTIVATION_RESERVE_GiB = 2.0
+# The graphs' static buffers besides their activations (FlashInfer keeps an
+# 8 MiB plan buffer per captured batch size, plus page-table buffers).
+_CUDA_GRAPH_STATIC_RESERVE = 256 << 20
 
 
-def cuda_num_blocks(spec: KVCacheSpec, device: torch.device, gpu_memory_utilization: float) -> int:
-    """KV blocks that fit on the GPU after the weights are loaded.
-
-    TODO(profile): run the model once on a dummy batch of
-    max_num_batched_tokens tokens (with the sampler), read
-    torch.cuda.max_memory_allocated() as the activation peak, and size the
-    cache as total * gpu_memory_utilization - weights - peak - graph pool.
-    Until then: total * utilization - what is allocated now (the weights) - a
-    fixed activation reserve.
+def cuda_num_blocks(
+    spec: KVCacheSpec, device: torch.device, gpu_memory_utilization: float, reserved_bytes: int | None = None
+) -> int:
+    """KV blocks that fit on the GPU:
+    total * gpu_memory_utilization - memory used by other processes and the
+    CUDA context - what is allocated now (weights, backend workspaces) -
+    reserved_bytes (activation peak + graph pool, from `profile_cuda_memory`;
+    a fixed 2 GiB when None).
     """
+    torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     used_by_others = total - free - torch.cuda.memory_reserved(device)
     budget = total * gpu_memory_utilization - torch.cuda.memory_allocated(device) - used_by_others
-    budget -= _CUDA_ACTIVATION_RESERVE_GiB * _GiB
+    budget -= _CUDA_ACTIVATION_RESERVE_GiB * _GiB if reserved_bytes is None else reserved_bytes
     return max(spec.num_blocks_for(budget), 0)
+
+
+def profile_cuda_memory(
+    model: torch.nn.Module,
+    backend,  # runner.attention.RunnerAttentionBackend
+    *,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    graph_batch_size: int,
+    device: torch.device,
+) -> int:
+    """Bytes to keep free beside the KV cache, measured by dummy steps:
+    the peak of the largest step (max_num_batched_tokens tokens of prefill,
+    in requests of at most max_model_len, then the LM head and sampling
+    temporaries over max_num_seqs rows), plus, with CUDA graphs
+    (graph_batch_size > 0), the peak of a decode step of graph_batch_size
+    requests (what the graphs' private pool keeps) and their static buffers."""
+    q_lens = [min(max_model_len, max_num_batched_tokens - start) for start in range(0, max_num_batched_tokens, max_model_len)]
+    step_peak = _profile_step(model, backend, q_lens, min(max_num_seqs, max_num_batched_tokens), device)
+    graph_peak = 0
+    if graph_batch_size:
+        graph_peak = _profile_step(model, backend, [1] * graph_batch_size, 0, device) + _CUDA_GRAPH_STATIC_RESERVE
+    logger.info(
+        "profile: a %d-token step peaks at %.2f GiB of activations; CUDA graphs reserve %.2f GiB; weights %.2f GiB",
+        max_num_batched_tokens, step_peak / _GiB, graph_peak / _GiB, torch.cuda.memory_allocated(device) / _GiB,
+    )
+    return step_peak + graph_peak
+
+
+@torch.inference_mode()
+def _profile_step(model, backend, q_lens: list[int], num_sampled: int, device: torch.device) -> int:
+    """Peak bytes allocated by one dummy step of fresh prefills of q_lens
+    tokens (q_lens all 1: a decode step). Every token's k/v goes to one scratch
+    block and every page index is 0: only memory is measured, not numbers."""
+    from models.forward_context import ForwardContext, forward_context
+    from runner.attention import AttentionInputs
+
+    num_tokens, num_reqs = sum(q_lens), len(q_lens)
+    spec = backend.spec  # set by backend.configure()
+    bs = spec.block_size
+    num_layers = model.config.num_layers
+    scratch = [
+        torch.zeros(1, 2, bs, spec.num_kv_heads, spec.head_dim, dtype=backend.dtype, device=device)
+        for _ in range(num_layers)
+    ]
+    i32 = torch.int32
+    qsl = torch.zeros(num_reqs + 1, dtype=i32)
+    qsl[1:] = torch.tensor(q_lens, dtype=i32).cumsum(0)
+    seq_lens = torch.tensor(q_lens, dtype=i32)
+    max_pages = (max(q_lens) + bs - 1) // bs
+    block_table = torch.zeros(num_reqs, max_pages, dtype=i32)
+    inputs = AttentionInputs(
+        num_reqs=num_reqs,
+        num_tokens=num_tokens,
+        max_query_len=max(q_lens),
+        max_seq_len=max(q_lens),
+        block_size=bs,
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens,
+        num_computed_tokens_cpu=torch.zeros(num_reqs, dtype=i32),
+        block_table_cpu=block_table,
+        query_start_loc=qsl.to(device),
+        seq_lens=seq_lens.to(device),
+        block_table=block_table.to(device),
+        slot_mapping=torch.zeros(num_tokens, dtype=torch.int64, device=device),
+    )
+    input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+    positions = torch.cat([torch.arange(q, device=device) for q in q_lens])
+
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    meta = backend.build_metadata(inputs)
+    with forward_context(ForwardContext(backend, meta, scratch)):
+        hidden = model(input_ids, positions)
+    if num_sampled:
+        # the LM head, then about the sampler's float32 temporaries
+        probs = model.compute_logits(hidden[:num_sampled]).softmax(dim=-1)
+        (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del hidden, scratch, meta
+    torch.cuda.empty_cache()
+    return peak

@@ -14,6 +14,7 @@ flat tokens query_start_loc[i]:query_start_loc[i+1].
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -25,6 +26,9 @@ from runner.input_batch import CpuGpuBuffer, InputBatch
 from runner.sampler import Sampler, SamplingMetadata, make_logprobs
 from runner.structured_output import GrammarMatchers
 from scheduler.types import EMPTY_RUNNER_OUTPUT, Logprob, RunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from runner.cuda_graph import CudaGraphRunner
 
 # prompt logprobs: compute logits for at most this many positions at once
 _PROMPT_LOGITS_CHUNK = 256
@@ -62,12 +66,15 @@ class ModelRunner:
         device: torch.device,
         eos_token_ids: tuple[int, ...] = (),
         seed: int = 0,
-        logprobs_mode: str = "processed",
+        logprobs_mode: str = "raw",
         grammar_matchers: GrammarMatchers | None = None,
+        graph_runner: CudaGraphRunner | None = None,
     ):
         self.model = model
         # guided decoding: one grammar matcher per running guided request
         self.grammar_matchers = grammar_matchers
+        # decode-only steps replay its CUDA graphs when it can (see _forward)
+        self.graph_runner = graph_runner
         self.kv_caches = kv_caches  # one per layer: [num_blocks, 2, block_size, num_kv_heads, head_dim]
         self.backend = backend
         self.device = device
@@ -89,6 +96,10 @@ class ModelRunner:
         self.block_table = CpuGpuBuffer(max_num_seqs, self.max_blocks_per_req, dtype=torch.int32, device=device)
         self.num_computed_tokens_cpu = torch.zeros(max_num_seqs, dtype=torch.int32)
         self.arange = np.arange(max(max_num_batched_tokens, max_num_seqs) + 1, dtype=np.int64)
+        # The step's one host sync: sampled ids land here, then the host waits
+        # on step_done. Pinned host buffers reused next step rely on it.
+        self.sampled_ids_cpu = torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.step_done = torch.cuda.Event() if device.type == "cuda" else None
 
     # ------------------------------------------------------------------
     @torch.inference_mode()
@@ -98,9 +109,7 @@ class ModelRunner:
             return EMPTY_RUNNER_OUTPUT
 
         step = self._prepare_inputs(sched_out.num_scheduled_tokens)
-        meta = self.backend.build_metadata(step.attn)
-        with forward_context(ForwardContext(self.backend, meta, self.kv_caches)):
-            hidden = self.model(step.input_ids, step.positions)  # [num_tokens, hidden]
+        hidden = self._forward(step)  # [num_tokens, hidden]
 
         # guided rows' token bitmasks, filled on the CPU while the device runs the forward
         guided = None
@@ -118,7 +127,7 @@ class ModelRunner:
             if guided is not None:
                 meta.bitmask_rows, meta.token_bitmask = guided
             out = self.sampler(logits, meta)
-            sampled = out.sampled_token_ids.tolist()
+            sampled = self._to_host(out.sampled_token_ids)
             for row, token_id in zip(sample_rows.tolist(), sampled):
                 self.batch.append_token(row, token_id)
             if guided is not None:
@@ -127,6 +136,8 @@ class ModelRunner:
                 logprobs = [None] * len(step.req_ids)
                 for i, lp in zip(step.sample_reqs.tolist(), out.logprobs):
                     logprobs[i] = lp
+        else:
+            self._to_host(None)  # nothing sampled: still wait for the step's device work
 
         sampled_token_ids: list[list[int]] = [[] for _ in step.req_ids]
         for i, token_id in zip(step.sample_reqs.tolist(), sampled):
@@ -137,6 +148,27 @@ class ModelRunner:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
+
+    def _forward(self, step: StepInputs) -> torch.Tensor:
+        """The one place that picks CUDA-graph replay (decode-only steps that
+        fit a captured batch size) or an eager forward."""
+        if self.graph_runner is not None and self.graph_runner.can_replay(step.attn):
+            return self.graph_runner.replay(step.input_ids, step.positions, step.attn)
+        meta = self.backend.build_metadata(step.attn)
+        with forward_context(ForwardContext(self.backend, meta, self.kv_caches)):
+            return self.model(step.input_ids, step.positions)
+
+    def _to_host(self, token_ids: torch.Tensor | None) -> list[int]:
+        """Sampled ids [n] -> list, through pinned memory; on CUDA this waits
+        for the step's device work (also when nothing was sampled: None)."""
+        if self.step_done is None:
+            return [] if token_ids is None else token_ids.tolist()
+        n = 0 if token_ids is None else token_ids.shape[0]
+        if n:
+            self.sampled_ids_cpu[:n].copy_(token_ids, non_blocking=True)
+        self.step_done.record()
+        self.step_done.synchronize()
+        return self.sampled_ids_cpu[:n].tolist()
 
     # ------------------------------------------------------------------
     def _update_batch(self, sched_out: SchedulerOutput) -> None:

@@ -231,10 +231,30 @@ def serve_command(args: argparse.Namespace, client_factory: ClientFactory | None
 
 
 # ---------------------------------------------------------------------------
+# serval bench (bench/offline.py; imported only when run: it needs torch)
+# ---------------------------------------------------------------------------
+
+
+def add_bench_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("bench", add_help=False, help="benchmarks: `serval bench offline --help`")
+    p.add_argument("bench_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=bench_command)
+
+
+def bench_command(args: argparse.Namespace) -> int:
+    if not args.bench_args or args.bench_args[0] != "offline":
+        print("usage: serval bench offline [--help] ...", file=sys.stderr)
+        return 2
+    from bench.offline import bench_main
+
+    return bench_main(args.bench_args[1:])
+
+
+# ---------------------------------------------------------------------------
 # entry point
 # ---------------------------------------------------------------------------
 
-SUBCOMMANDS: list[Callable[[Any], None]] = [add_serve_parser]
+SUBCOMMANDS: list[Callable[[Any], None]] = [add_serve_parser, add_bench_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:

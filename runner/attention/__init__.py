@@ -60,10 +60,24 @@ class AttentionInputs:
         return self.max_query_len == 1
 
 
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What every attention layer of the model and its KV cache share, for
+    backends that plan a step ahead of the layers (FlashInfer's plan() needs
+    the head counts before any layer runs)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float  # softmax scale, head_dim ** -0.5
+    block_size: int
+
+
 class RunnerAttentionBackend(AttentionBackend):
     """The runner-side contract on top of `models.forward_context.AttentionBackend`.
 
-    A backend is built once (`__init__(device, dtype)`), then per step:
+    A backend is built once (`__init__(device, dtype)`), told the model's
+    geometry once (`configure(spec)`), then per step:
     `meta = backend.build_metadata(inputs)`, and per layer
     `backend.forward(layer, q, k, v, kv_cache, meta)`.
     """
@@ -73,6 +87,11 @@ class RunnerAttentionBackend(AttentionBackend):
     def __init__(self, device: torch.device, dtype: torch.dtype):
         self.device = device
         self.dtype = dtype
+        self.spec: AttentionSpec | None = None
+
+    def configure(self, spec: AttentionSpec) -> None:
+        """Called once at start-up, after the model is built, before any step."""
+        self.spec = spec
 
     @abc.abstractmethod
     def build_metadata(self, inputs: AttentionInputs) -> Any:
@@ -82,8 +101,10 @@ class RunnerAttentionBackend(AttentionBackend):
     # leave these as they are; the graph runner checks `supports_graphs`.
     supports_graphs: bool = False
 
-    def prepare_for_capture(self, max_num_reqs: int, max_blocks_per_req: int) -> None:
-        """Allocate the static buffers the captured graphs will read."""
+    def prepare_for_capture(self, max_num_reqs: int, max_blocks_per_req: int, padding_block_id: int) -> None:
+        """Allocate the static buffers the captured graphs will read.
+        `padding_block_id` is a KV block no request owns: the padded rows of a
+        graph's batch write their k/v there and attend over it."""
         raise NotImplementedError(f"attention backend {self.name!r} does not support CUDA graphs")
 
     def build_metadata_for_capture(self, num_reqs: int) -> Any:
@@ -91,8 +112,10 @@ class RunnerAttentionBackend(AttentionBackend):
         raise NotImplementedError(f"attention backend {self.name!r} does not support CUDA graphs")
 
     def prepare_for_replay(self, inputs: AttentionInputs, padded_num_reqs: int) -> Any:
-        """Copy this step's inputs into the static buffers; return the metadata
-        the graph for padded_num_reqs was captured with."""
+        """Copy this step's inputs (a decode-only batch of inputs.num_reqs <=
+        padded_num_reqs requests) into the static buffers, padding rows
+        num_reqs..padded_num_reqs-1; return the metadata the graph for
+        padded_num_reqs was captured with."""
         raise NotImplementedError(f"attention backend {self.name!r} does not support CUDA graphs")
 
 

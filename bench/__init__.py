@@ -1,0 +1,1 @@
+"""Benchmarks: `serval bench offline` (bench/offline.py); bench_scheduler.py is a script."""

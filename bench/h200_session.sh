@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# One call on the H200 host (see /work/shared/GPU_HOST.md): install the wheels
+# carried in .whl, reuse FlashInfer kernels compiled by an earlier call
+# (.fi_cache/fi_aot.tgz.*), run the named stages under one deadline, and leave
+# logs, result JSONs and the compiled kernels in $OUT.
+#
+#   bench/h200_session.sh smoke bench-small tests          # first call
+#   bench/h200_session.sh smoke bench-big serve tests      # later
+#
+# Stages: smoke, tests, bench-small (Llama-3.1-8B batch 1 + HF baseline,
+# Qwen3-0.6B 256 requests), bench-big (Llama-3.1-8B 1000 x 1000/1000), serve.
+set -u -o pipefail
+OUT=${OUT:-/tmp/serval_out}
+DEADLINE=${DEADLINE:-560}   # seconds for all stages; the kernel collection comes after
+mkdir -p "$OUT"
+START=$SECONDS
+LOG="$OUT/log.txt"
+export FLASHINFER_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+log() { echo "[$((SECONDS - START))s] $*" | tee -a "$LOG"; }
+left() { echo $((DEADLINE - (SECONDS - START))); }
+SUMMARY=()
+
+# stage NAME MAX_SECONDS CMD...: run CMD with the smaller of MAX_SECONDS and what is left
+stage() {
+  local name=$1 max=$2; shift 2
+  local budget; budget=$(left)
+  (( budget > max )) && budget=$max
+  if (( budget < 20 )); then log "skip $name (no time left)"; SUMMARY+=("$name: skipped"); return 1; fi
+  log "== $name (timeout ${budget}s): $*"
+  local t0=$SECONDS
+  timeout -k 5 "$budget" "$@" 2>&1 | tee -a "$LOG" ${EXTRA_LOG:+"$EXTRA_LOG"}
+  local rc=${PIPESTATUS[0]}
+  log "== $name: rc=$rc in $((SECONDS - t0))s"
+  SUMMARY+=("$name: rc=$rc $((SECONDS - t0))s")
+  return "$rc"
+}
+
+log "install wheels"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -3 | tee -a "$LOG"
+export PYTHONPATH=/tmp/site:$PWD
+AOT=/tmp/site/flashinfer/data/aot
+if ls .fi_cache/fi_aot.tgz.* >/dev/null 2>&1; then
+  mkdir -p "$AOT" && cat .fi_cache/fi_aot.tgz.* | tar xzf - -C "$AOT" && log "restored $(ls "$AOT" | wc -l) compiled FlashInfer modules"
+fi
+nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,clocks.mem --format=csv | tee -a "$LOG"
+
+serve_check() {
+  python3 -m server.cli serve --model llama-3.2-1b --load-format dummy --port 8011 --log-level warning &
+  local pid=$!
+  for _ in $(seq 1 120); do curl -sf localhost:8011/health >/dev/null && break; sleep 1; done
+  curl -s localhost:8011/v1/completions -H 'content-type: application/json' \
+    -d '{"model": "llama-3.2-1b", "prompt": [128000, 791, 6864, 315, 9822, 374], "max_tokens": 8, "temperature": 0}'
+  local rc=$?
+  echo
+  kill "$pid"; wait "$pid"
+  return $rc
+}
+
+for s in "$@"; do
+  case $s in
+    smoke)
+      stage smoke 150 python3 -c "
+import torch, triton, flashinfer
+print('torch', torch.__version__, 'triton', triton.__version__, 'flashinfer', flashinfer.__version__, torch.cuda.get_device_name())
+from tests.test_runner import make_inputs
+from runner.attention import AttentionSpec
+from runner.attention.flashinfer import FlashInferAttentionBackend
+b = FlashInferAttentionBackend(torch.device('cuda'), torch.bfloat16)
+b.configure(AttentionSpec(32, 8, 128, 128 ** -0.5, 16))
+inp = make_inputs([0, 20], [7, 1], 16, [[3], [5, 6]], 4, torch.device('cuda'))
+class L: scale = 128 ** -0.5
+q = torch.randn(8, 32, 128, device='cuda', dtype=torch.bfloat16); k = torch.randn(8, 8, 128, device='cuda', dtype=torch.bfloat16)
+cache = torch.zeros(8, 2, 16, 8, 128, device='cuda', dtype=torch.bfloat16)
+print('prefill/mixed ok', b.forward(L, q, k, k.clone(), cache, b.build_metadata(inp)).float().abs().mean().item())
+" ;;
+    tests)
+      EXTRA_LOG="$OUT/gpu_tests.log" stage tests 330 python3 -m pytest -q -m gpu -p no:cacheprovider \
+        tests/test_gpu_attention.py tests/test_gpu_cuda_graph.py tests/test_gpu_engine.py \
+        tests/test_runner.py tests/test_engine_parity.py tests/test_sampler.py -rs ;;
+    bench-small)
+      stage llama8b_b1 200 python3 -m server.cli bench offline --model llama-3.1-8b --num-prompts 1 \
+        --input-len 128 --output-len 256 --gpu-memory-utilization 0.7 --baseline-hf --baseline-new-tokens 32 \
+        --profile-steps 30 --name llama-3.1-8b_b1_128in_256out --results-dir "$OUT"
+      stage qwen3_0.6b_256 150 python3 -m server.cli bench offline --model qwen3-0.6b --num-prompts 256 \
+        --input-len 100:1024 --output-len 100:1024 --max-num-seqs 256 --max-num-batched-tokens 16384 \
+        --name qwen3-0.6b_256req_100-1024 --results-dir "$OUT" ;;
+    bench-big)
+      stage llama8b_1000 300 python3 -m server.cli bench offline --model llama-3.1-8b --num-prompts 1000 \
+        --input-len 1000 --output-len 1000 --max-num-seqs 256 --max-num-batched-tokens 8192 \
+        --name llama-3.1-8b_1000req_1000in_1000out --results-dir "$OUT" ;;
+    serve)
+      stage serve 150 serve_check ;;
+    *) log "unknown stage $s" ;;
+  esac
+done
+
+# Bring back what FlashInfer compiled, as AOT modules the next call loads without ninja.
+log "collect compiled FlashInfer modules"
+rm -rf /tmp/aot && mkdir -p /tmp/aot
+find "$HOME/.cache/flashinfer" -path '*cached_ops*' -name '*.so' 2>/dev/null | while read -r so; do
+  name=$(basename "$so" .so); mkdir -p "/tmp/aot/$name" && cp "$so" "/tmp/aot/$name/"
+done
+if [ -n "$(ls /tmp/aot)" ]; then
+  tar czf - -C /tmp/aot . | split -b 15M - "$OUT/fi_aot.tgz."
+  log "kernels: $(ls /tmp/aot | tr '\n' ' ') -> $(du -ch "$OUT"/fi_aot.tgz.* | tail -1)"
+fi
+log "summary"
+printf '  %s\n' "${SUMMARY[@]}" | tee -a "$LOG"
+for f in "$OUT"/*.json; do
+  [ -f "$f" ] && python3 - "$f" <<'EOF' | tee -a "$LOG"
+import json, sys
+r = json.load(open(sys.argv[1])); m, fl = r["metrics"], r["floor"]
+line = f"{sys.argv[1].rsplit('/', 1)[-1]}: out {m['output_tok_s']:.0f} tok/s, total {m['total_tok_s']:.0f} tok/s, run/floor speed {fl['achieved_over_floor']:.2f}"
+if "ms_per_decode_step" in m:
+    line += f", decode {m['ms_per_decode_step']:.3f} ms (floor {fl['ms_per_decode_step']:.3f}, batch {m['mean_decode_batch']:.0f})"
+if "gpu_idle_fraction" in m:
+    line += f", GPU idle {100 * m['gpu_idle_fraction']:.1f}%"
+b = r.get("baseline") or {}
+if "ms_per_decode_step" in b:
+    line += f"; HF {b['ms_per_decode_step']:.1f} ms/step, {b['output_tok_s']:.0f} tok/s"
+print(line)
+EOF
+done

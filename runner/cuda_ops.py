@@ -1,0 +1,289 @@
+"""Fused GPU kernels (Triton) for the ops the layers call through
+`models.layers.ops.OPS`, plus the KV-cache store of the FlashInfer backend.
+
+    install_cuda_ops()     # once at start-up, when the engine runs on CUDA
+
+swaps `rms_norm`, `fused_add_rms_norm`, `rotary_embedding` and
+`silu_and_mul` for one-launch kernels; the models stay plain torch. Each
+kernel keeps the reference's signature and rounding where it is cheap to
+(normalise in float32, round, then scale by the weight in the model dtype, as
+HF does); rope computes in float32 and rounds once, so it may differ from the
+reference by an ulp.
+
+Triton kernels compile in about a second on first use (cached under
+~/.triton), unlike FlashInfer's JIT modules (tens of seconds each).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import triton
+import triton.language as tl
+
+from models.layers import ops
+
+logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------
+# RMSNorm, with and without the residual add
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,  # rows addressed as (row // num_inner, row % num_inner) through the strides
+    out_ptr,  # contiguous [num_rows, D]
+    w_ptr,  # [D]
+    stride_outer,
+    stride_inner,
+    num_inner,
+    D,
+    eps,
+    BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0)
+    x_row = x_ptr + (row // num_inner).to(tl.int64) * stride_outer + (row % num_inner).to(tl.int64) * stride_inner
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < D
+    x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row.to(tl.int64) * D + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fused_add_rms_norm_kernel(
+    x_ptr,  # [num_rows, D], row stride stride_x; overwritten with the normed output
+    res_ptr,  # [num_rows, D], row stride stride_res; overwritten with x + residual
+    w_ptr,
+    stride_x,
+    stride_res,
+    D,
+    eps,
+    BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < D
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
+    # residual' = x + residual, rounded to the model dtype as torch's add would
+    r = (x + r).to(res_ptr.dtype.element_ty)
+    tl.store(res_ptr + row * stride_res + cols, r, mask=mask)
+    r = r.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(r * r, axis=0) / D + eps)
+    normed = (r * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(x_ptr + row * stride_x + cols, (normed * w).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [num_tokens, D] or [num_tokens, num_heads, D] (any row strides, last dim contiguous)."""
+    D = x.shape[-1]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.numel() == 0:
+        return out
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if x.dim() == 2:
+        num_inner, stride_outer, stride_inner = 1, x.stride(0), 0
+    elif x.dim() == 3:
+        num_inner, stride_outer, stride_inner = x.shape[1], x.stride(0), x.stride(1)
+    else:
+        x = x.reshape(-1, D)
+        num_inner, stride_outer, stride_inner = 1, x.stride(0), 0
+    num_rows = out.numel() // D
+    block = triton.next_power_of_2(D)
+    _rms_norm_kernel[(num_rows,)](
+        x, out, weight, stride_outer, stride_inner, num_inner, D, eps, BLOCK_D=block, num_warps=_warps(block)
+    )
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place: residual += x; x = rms_norm(residual). Returns (x, residual)."""
+    D = x.shape[-1]
+    if x.numel() == 0:
+        return x, residual
+    assert x.dim() == 2 and x.stride(-1) == 1 and residual.stride(-1) == 1, "fused_add_rms_norm wants [num_tokens, D] rows"
+    block = triton.next_power_of_2(D)
+    _fused_add_rms_norm_kernel[(x.shape[0],)](
+        x, residual, weight, x.stride(0), residual.stride(0), D, eps, BLOCK_D=block, num_warps=_warps(block)
+    )
+    return x, residual
+
+
+def _warps(block: int) -> int:
+    """Warps for a one-row-per-program kernel: about 16 elements per thread."""
+    return max(1, min(16, block // 512))
+
+
+# ---------------------------------------------------------------------------
+# Rotary embedding (neox style), in place on q and k
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _rope_kernel(
+    pos_ptr,  # [num_tokens] int64
+    q_ptr,  # [num_tokens, num_q_heads, D] strided
+    k_ptr,  # [num_tokens, num_k_heads, D] strided
+    cache_ptr,  # [max_position, D] float32: cos | sin
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    num_q_heads,
+    num_k_heads,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    half = tl.arange(0, HALF)
+    cos = tl.load(cache_ptr + pos * (2 * HALF) + half)[None, :]  # [1, HALF]
+    sin = tl.load(cache_ptr + pos * (2 * HALF) + HALF + half)[None, :]
+    heads = tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
+
+    q_mask = heads < num_q_heads
+    q1_ptr = q_ptr + t * stride_qt + heads * stride_qh + half[None, :]
+    q1 = tl.load(q1_ptr, mask=q_mask, other=0.0).to(tl.float32)
+    q2 = tl.load(q1_ptr + HALF, mask=q_mask, other=0.0).to(tl.float32)
+    tl.store(q1_ptr, (q1 * cos - q2 * sin).to(q_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(q1_ptr + HALF, (q2 * cos + q1 * sin).to(q_ptr.dtype.element_ty), mask=q_mask)
+
+    k_mask = heads < num_k_heads
+    k1_ptr = k_ptr + t * stride_kt + heads * stride_kh + half[None, :]
+    k1 = tl.load(k1_ptr, mask=k_mask, other=0.0).to(tl.float32)
+    k2 = tl.load(k1_ptr + HALF, mask=k_mask, other=0.0).to(tl.float32)
+    tl.store(k1_ptr, (k1 * cos - k2 * sin).to(k_ptr.dtype.element_ty), mask=k_mask)
+    tl.store(k1_ptr + HALF, (k2 * cos + k1 * sin).to(k_ptr.dtype.element_ty), mask=k_mask)
+
+
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place on q [T, Hq, D] and k [T, Hk, D] (row strides free, head_dim contiguous)."""
+    num_tokens, num_q_heads, D = q.shape
+    num_k_heads = k.shape[1]
+    if num_tokens == 0:
+        return q, k
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and D % 2 == 0
+    assert D & (D - 1) == 0, f"rope kernel needs a power-of-two head_dim, got {D}"
+    if cos_sin_cache.dtype != torch.float32 or not cos_sin_cache.is_contiguous():
+        cos_sin_cache = cos_sin_cache.float().contiguous()
+    _rope_kernel[(num_tokens,)](
+        positions, q, k, cos_sin_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        num_q_heads, num_k_heads,
+        HALF=D // 2, BLOCK_H=triton.next_power_of_2(max(num_q_heads, num_k_heads)),
+    )
+    return q, k
+
+
+# ---------------------------------------------------------------------------
+# SiLU(gate) * up
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, d, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < d
+    gate = tl.load(x_ptr + t * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + t * stride_x + d + cols, mask=mask, other=0.0).to(tl.float32)
+    # as torch: silu rounded to the model dtype, then the product rounded
+    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + t * d + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[num_tokens, 2d] (gate | up) -> [num_tokens, d]."""
+    num_tokens, two_d = x.shape
+    d = two_d // 2
+    out = torch.empty((num_tokens, d), dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return out
+    assert x.stride(-1) == 1
+    block = min(1024, triton.next_power_of_2(d))
+    _silu_and_mul_kernel[(num_tokens, triton.cdiv(d, block))](x, out, x.stride(0), d, BLOCK=block)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# KV cache store through the slot mapping
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr,  # [num_tokens, num_kv_heads, head_dim], heads contiguous within a row
+    v_ptr,
+    cache_ptr,  # [num_blocks, 2, block_size, num_kv_heads, head_dim] contiguous
+    slot_ptr,  # [num_tokens] int64: block_id * block_size + offset
+    stride_k,
+    stride_v,
+    block_size,
+    ROW: tl.constexpr,  # num_kv_heads * head_dim
+    BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    block = slot // block_size
+    offset = slot % block_size
+    k_dst = cache_ptr + block * (2 * block_size * ROW) + offset * ROW
+    v_dst = k_dst + block_size * ROW
+    for start in tl.static_range(0, ROW, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < ROW
+        tl.store(k_dst + cols, tl.load(k_ptr + t * stride_k + cols, mask=mask), mask=mask)
+        tl.store(v_dst + cols, tl.load(v_ptr + t * stride_v + cols, mask=mask), mask=mask)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """kv_cache[slot // bs, 0, slot % bs] = k[i]; [..., 1, ...] = v[i], for slot = slot_mapping[i]."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    assert kv_cache.is_contiguous() and kv_cache.dtype == k.dtype == v.dtype
+    assert k.stride(2) == 1 and k.stride(1) == head_dim and v.stride(2) == 1 and v.stride(1) == head_dim
+    row = num_kv_heads * head_dim
+    _store_kv_kernel[(num_tokens,)](
+        k, v, kv_cache, slot_mapping, k.stride(0), v.stride(0), kv_cache.shape[2],
+        ROW=row, BLOCK=min(2048, triton.next_power_of_2(row)),
+    )
+
+
+# ---------------------------------------------------------------------------
+
+CUDA_OPS = {
+    "rms_norm": rms_norm,
+    "fused_add_rms_norm": fused_add_rms_norm,
+    "rotary_embedding": rotary_embedding,
+    "silu_and_mul": silu_and_mul,
+}
+
+
+def install_cuda_ops() -> None:
+    """Route the layers' ops to the Triton kernels (process-wide, until
+    `models.layers.ops.reset_ops()`). The registry is global, so each op
+    still hands tensors that are not on a GPU to the torch reference: a
+    process that also runs a CPU model (tests) keeps working."""
+    for name, fn in CUDA_OPS.items():
+        ops.set_op(name, _cuda_or_reference(fn, ops._REFERENCE[name]))
+    logger.info("fused Triton kernels for %s", ", ".join(CUDA_OPS))
+
+
+def _cuda_or_reference(kernel, reference):
+    def op(first: torch.Tensor, *args):
+        return kernel(first, *args) if first.is_cuda else reference(first, *args)
+
+    op.__name__ = kernel.__name__
+    return op

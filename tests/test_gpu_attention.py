@@ -1,0 +1,174 @@
+"""The FlashInfer backend against the torch backend and a float64 dense
+reference, on random paged caches: prefill, decode, mixed, chunked prefill,
+block sizes 1/16/32, GQA and MHA, head_dim 64 and 128, bfloat16.
+Also the Triton ops against their torch references."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from models.layers import ops
+from runner.attention import AttentionSpec
+from test_runner import FakeLayer, dense_attention, make_inputs
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+CUDA = torch.device("cuda")
+DTYPE = torch.bfloat16
+
+CASES = {
+    "prefill": ([0, 0, 0], [5, 1, 37]),
+    "decode": ([3, 40, 0, 17, 100, 31], [1, 1, 1, 1, 1, 1]),
+    "mixed": ([0, 9, 5, 17], [7, 1, 6, 1]),
+    "chunked": ([16, 33, 0], [16, 9, 20]),
+}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+def make_backend(name: str, heads, block_size: int):
+    from runner.attention import get_backend_cls
+
+    num_heads, num_kv_heads, head_dim = heads
+    backend = get_backend_cls(name)(CUDA, DTYPE)
+    backend.configure(AttentionSpec(num_heads, num_kv_heads, head_dim, head_dim**-0.5, block_size))
+    return backend
+
+
+def paged_case(ctx_lens, q_lens, block_size, heads, seed):
+    """Random k/v for every position, the context already in a random-order
+    paged cache full of garbage elsewhere, and this step's q/k/v."""
+    num_heads, num_kv_heads, head_dim = heads
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
+    blocks_needed = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = sum(blocks_needed) + 5
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, start = [], 0
+    for nb in blocks_needed:
+        tables.append(perm[start : start + nb])
+        start += nb
+    cache = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim, generator=g).to(DTYPE)
+    ks = [torch.randn(s, num_kv_heads, head_dim, generator=g).to(DTYPE) for s in seq_lens]
+    vs = [torch.randn(s, num_kv_heads, head_dim, generator=g).to(DTYPE) for s in seq_lens]
+    qs = [torch.randn(q, num_heads, head_dim, generator=g).to(DTYPE) for q in q_lens]
+    for i, c in enumerate(ctx_lens):
+        for pos in range(c):
+            b = tables[i][pos // block_size]
+            cache[b, 0, pos % block_size] = ks[i][pos]
+            cache[b, 1, pos % block_size] = vs[i][pos]
+    inputs = make_inputs(ctx_lens, q_lens, block_size, tables, max(blocks_needed) + 2, CUDA)
+    q = torch.cat(qs).to(CUDA)
+    k = torch.cat([ks[i][c:] for i, c in enumerate(ctx_lens)]).to(CUDA)
+    v = torch.cat([vs[i][c:] for i, c in enumerate(ctx_lens)]).to(CUDA)
+    return inputs, cache.to(CUDA), q, k, v, (qs, ks, vs, tables)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("heads", [(8, 2, 128), (4, 4, 64), (16, 2, 64)])
+def test_flashinfer_matches_torch_backend(case, block_size, heads):
+    ctx_lens, q_lens = CASES[case]
+    inputs, cache, q, k, v, (qs, ks, vs, tables) = paged_case(ctx_lens, q_lens, block_size, heads, seed=list(CASES).index(case))
+    layer = FakeLayer(*heads)
+
+    fi = make_backend("flashinfer", heads, block_size)
+    fi_cache = cache.clone()
+    meta = fi.build_metadata(inputs)
+    assert (meta.wrapper is fi.decode_wrapper) == (case == "decode")
+    out = fi.forward(layer, q.clone(), k.clone(), v.clone(), fi_cache, meta)
+
+    ref_backend = make_backend("torch", heads, block_size)
+    ref_cache = cache.clone()
+    ref_out = ref_backend.forward(layer, q, k, v, ref_cache, ref_backend.build_metadata(inputs))
+
+    assert not out.isnan().any()
+    # this step's k/v land in the same slots, bit for bit
+    assert torch.equal(fi_cache, ref_cache)
+    assert rel_err(out, ref_out) < 1e-2
+    start = 0
+    for i, (c, ql) in enumerate(zip(ctx_lens, q_lens)):
+        dense = dense_attention(qs[i], ks[i], vs[i], c, layer.scale)
+        assert rel_err(out[start : start + ql].cpu(), dense) < 1e-2, f"request {i}"
+        start += ql
+
+
+def test_flashinfer_rejects_float32():
+    from runner.attention.flashinfer import FlashInferAttentionBackend
+    from scheduler.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--dtype"):
+        FlashInferAttentionBackend(CUDA, torch.float32)
+
+
+# ---------------------------------------------------------------------------
+# Triton ops vs the torch references
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_norm_and_activation_kernels(dtype):
+    from runner import cuda_ops
+
+    tol = dict(atol=2e-2, rtol=1e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    x = torch.randn(37, 4096, device=CUDA, generator=g).to(dtype)
+    r = torch.randn(37, 4096, device=CUDA, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(4096, device=CUDA, generator=g)).to(dtype)
+    torch.testing.assert_close(cuda_ops.rms_norm(x, w, 1e-6), ops.rms_norm(x, w, 1e-6), **tol)
+    want = ops.fused_add_rms_norm(x, r, w, 1e-5)
+    x2, r2 = x.clone(), r.clone()
+    got = cuda_ops.fused_add_rms_norm(x2, r2, w, 1e-5)
+    assert got[0].data_ptr() == x2.data_ptr() and got[1].data_ptr() == r2.data_ptr()  # in place
+    torch.testing.assert_close(got[1], want[1], atol=0, rtol=0)  # the add rounds as torch's
+    torch.testing.assert_close(got[0], want[0], **tol)
+    gate_up = torch.randn(37, 2 * 1000, device=CUDA, generator=g).to(dtype)
+    torch.testing.assert_close(cuda_ops.silu_and_mul(gate_up), ops.silu_and_mul(gate_up), **tol)
+    # q/k norm on a strided [tokens, heads, head_dim] view
+    qkv = torch.randn(9, (4 + 2 + 2) * 128, device=CUDA, generator=g).to(dtype)
+    q = qkv[:, : 4 * 128].view(9, 4, 128)
+    wd = (1 + 0.1 * torch.randn(128, device=CUDA, generator=g)).to(dtype)
+    torch.testing.assert_close(cuda_ops.rms_norm(q, wd, 1e-6), ops.rms_norm(q, wd, 1e-6), **tol)
+
+
+def test_installed_ops_leave_cpu_tensors_to_torch():
+    from runner.cuda_ops import install_cuda_ops
+
+    install_cuda_ops()
+    try:
+        x = torch.randn(3, 64)
+        torch.testing.assert_close(ops.OPS["rms_norm"](x, torch.ones(64), 1e-6), ops.rms_norm(x, torch.ones(64), 1e-6))
+    finally:
+        ops.reset_ops()
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rope_and_kv_store_kernels(head_dim):
+    from models.layers.rotary import RotaryEmbedding
+    from runner import cuda_ops
+
+    g = torch.Generator(device=CUDA).manual_seed(1)
+    T, Hq, Hk = 23, 8, 2
+    qkv = torch.randn(T, (Hq + 2 * Hk) * head_dim, device=CUDA, generator=g).to(DTYPE)
+    q, k, v = qkv.split([Hq * head_dim, Hk * head_dim, Hk * head_dim], dim=-1)
+    q, k, v = q.view(T, Hq, head_dim), k.view(T, Hk, head_dim), v.view(T, Hk, head_dim)
+    rope = RotaryEmbedding(head_dim, 4096, 500000.0, None).to(CUDA)
+    pos = torch.randint(0, 4096, (T,), device=CUDA, generator=g)
+    want_q, want_k = ops.rotary_embedding(pos, q.clone(), k.clone(), rope.cos_sin_cache)
+    got_q, got_k = cuda_ops.rotary_embedding(pos, q, k, rope.cos_sin_cache)  # in place on the views
+    assert got_q.data_ptr() == q.data_ptr()
+    assert rel_err(got_q, want_q) < 1e-2 and rel_err(got_k, want_k) < 1e-2
+
+    block_size, num_blocks = 16, 8
+    cache = torch.randn(num_blocks, 2, block_size, Hk, head_dim, device=CUDA, generator=g).to(DTYPE)
+    slots = torch.randperm(num_blocks * block_size, device=CUDA, generator=g)[:T]
+    want = cache.clone()
+    want[slots // block_size, 0, slots % block_size] = k
+    want[slots // block_size, 1, slots % block_size] = v
+    cuda_ops.store_kv(k, v, cache, slots)
+    assert torch.equal(cache, want)
