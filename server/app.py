@@ -41,6 +41,7 @@ from server.protocol import (
 from server.serving_chat import ChatHandler, messages_for_template, render_chat
 from server.serving_common import Admission, ServingState, TokenText
 from server.serving_completions import CompletionHandler
+from server.tool_parsers import DEFAULT_TOOL_PARSER, get_tool_parser
 
 logger = logging.getLogger("serval.server")
 
@@ -70,6 +71,7 @@ def build_app(
     model_root: str | None = None,
     api_key: str | None = None,
     max_queued_requests: int | None = None,
+    tool_call_parser: str = DEFAULT_TOOL_PARSER,
 ) -> FastAPI:
     limit = None if max_queued_requests is None else client.info.max_num_seqs + max_queued_requests
     metrics = ServerMetrics(served_model_name, lambda: client.latest_stats)
@@ -79,6 +81,7 @@ def build_app(
         metrics=metrics,
         admission=Admission(limit),
         token_text=TokenText(client.tokenizer),
+        tool_parser=get_tool_parser(tool_call_parser),
     )
     created = int(time.time())
 

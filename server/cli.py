@@ -97,6 +97,10 @@ def add_serve_parser(subparsers: Any) -> None:
     s.add_argument("--max-queued-requests", type=_int_at_least(0), default=None,
                    help="sequences allowed to wait beyond --max-num-seqs; more get 429 (default: unlimited)")
     s.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    from server.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
+
+    s.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=DEFAULT_TOOL_PARSER,
+                   help="how the model writes tool calls (tools with tool_choice auto)")
     s.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the engine to load")
     p.set_defaults(func=serve_command)
 
@@ -179,6 +183,7 @@ async def _run(args: argparse.Namespace, config: EngineConfig, source: ModelSour
             model_root=source.path,
             api_key=api_key,
             max_queued_requests=args.max_queued_requests,
+            tool_call_parser=args.tool_call_parser,
         )
         uv_config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5, lifespan="on")
         server = uvicorn.Server(uv_config)

@@ -87,7 +87,7 @@ class _SamplingFields(_Request):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    # Declared so they are named precisely; rejected by reject_unsupported().
+    # Structured outputs (server.structured_outputs reads and checks them)
     response_format: dict[str, Any] | None = None
     guided_json: Any = None
     guided_regex: Any = None
@@ -128,10 +128,11 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    # Declared so they are named precisely; rejected by reject_unsupported().
+    # Tool calling (server.tool_calls reads and checks them)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    # Declared so they are named precisely; rejected by reject_unsupported().
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -159,10 +160,37 @@ class ChatLogprobs(_Response):
     refusal: list[ChatLogprobToken] | None = None
 
 
+class FunctionCall(_Response):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class DeltaFunctionCall(_Response):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Response):
+    """A streamed tool call: {"index", "id", "type", "function": {"name", "arguments": ""}}
+    first, then {"index", "function": {"arguments": <fragment>}}."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
 
 
 class ChatChoice(_Response):
@@ -195,6 +223,7 @@ class ChatDelta(_Response):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(_Response):
@@ -330,29 +359,14 @@ class VersionResponse(_Response):
 def reject_unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
     """Raise a 400 naming the first field Serval does not implement yet.
 
-    Structured outputs (response_format json_schema, guided_*) and tool calls
-    are refused here and nowhere else; implementing them means deleting their
-    entries below.
+    Structured outputs and tools are served (server.structured_outputs,
+    server.tool_calls check their fields).
     """
 
     def refuse(field: str, what: str) -> None:
         raise APIError(f"{field} is not supported by this server: {what}", param=field, code="unsupported_parameter")
 
-    rf = req.response_format
-    if rf is not None and rf.get("type") != "text":
-        refuse("response_format", f"only {{\"type\": \"text\"}} is served, got type {rf.get('type')!r}")
-    for field in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                  "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs"):
-        if getattr(req, field) is not None:
-            refuse(field, "structured outputs are not implemented yet")
-
     if isinstance(req, ChatCompletionRequest):
-        if req.tools:
-            refuse("tools", "tool calling is not implemented yet")
-        if req.tool_choice not in (None, "none"):
-            refuse("tool_choice", "tool calling is not implemented yet")
-        if req.parallel_tool_calls is not None:
-            refuse("parallel_tool_calls", "tool calling is not implemented yet")
         if req.functions is not None:
             refuse("functions", "function calling is not implemented")
         if req.function_call is not None:

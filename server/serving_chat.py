@@ -22,6 +22,10 @@ from server.protocol import (
     ChatMessage,
     ChatResponseMessage,
     ChatStreamChoice,
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
     UsageInfo,
     reject_unsupported,
 )
@@ -34,6 +38,7 @@ from server.serving_common import (
     check_context_length,
     child_params,
     collect,
+    first_then_rest,
     merge_streams,
     random_id,
     run_sequence,
@@ -41,6 +46,16 @@ from server.serving_common import (
     until_disconnect,
 )
 from server.sse import DONE, SSEResponse, sse_event
+from server.structured_outputs import structured_output_spec
+from server.tool_calls import (
+    ToolCallStream,
+    ToolContext,
+    extract_tool_calls,
+    finish_reason_with_tools,
+    prepare_tools,
+    render_with_tools,
+)
+from server.tool_parsers import ContentDelta, StreamEvent, ToolCallStart
 
 def messages_for_template(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """OpenAI messages as the plain dicts a chat template reads.
@@ -79,10 +94,11 @@ def messages_for_template(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool) -> tuple[str | None, list[int]]:
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                tools: list[dict[str, Any]] | None = None) -> tuple[str | None, list[int]]:
     """Apply the chat template; returns (prompt text if known, token ids)."""
     try:
-        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=None)
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
     except APIError:
         raise
     except Exception as e:  # a template that raises (e.g. "roles must alternate") is the user's 400
@@ -120,8 +136,15 @@ class ChatHandler:
         client = state.client
 
         messages = messages_for_template(req.messages)
-        prompt_text, prompt_ids = render_chat(state.require_tokenizer("messages"), messages,
-                                              req.add_generation_prompt)
+        tool_ctx = prepare_tools(req, state.tool_parser)
+        prompt_text, prompt_ids = render_with_tools(render_chat, state.require_tokenizer("messages"), messages,
+                                                    req.add_generation_prompt, tool_ctx)
+        spec = structured_output_spec(req)
+        if tool_ctx is not None and tool_ctx.spec is not None:
+            if spec is not None:
+                field = spec.param.split(".")[0]
+                raise invalid_field(field, f"{field} cannot be combined with tool_choice {req.tool_choice!r}")
+            spec = tool_ctx.spec  # required / named: the calls are grammar-constrained JSON
 
         if req.max_completion_tokens is not None:
             max_tokens_param, max_tokens = "max_completion_tokens", req.max_completion_tokens
@@ -140,6 +163,7 @@ class ChatHandler:
             prompt_logprobs=None,
             vocab_size=client.info.vocab_size,
             rename={"logprobs": "top_logprobs", "max_tokens": max_tokens_param},
+            structured_output=spec,
         )
 
         release = state.admission.acquire(req.n)
@@ -151,7 +175,17 @@ class ChatHandler:
         state.metrics.prompt_tokens.inc(len(prompt_ids))
         created = int(time.time())
         if req.stream:
-            stream = self._stream(req, request_id, created, seqs, top_n)
+            events = merge_streams([run_sequence(state, s) for s in seqs])
+            if spec is not None:  # an invalid grammar is a 400, before any header goes out
+                try:
+                    events = await first_then_rest(raw, events)
+                except ClientDisconnected:
+                    release()
+                    return Response(status_code=499)
+                except Exception as e:
+                    release()
+                    raise state.error_for(e, request_id) from None
+            stream = self._stream(req, request_id, created, seqs, top_n, events, tool_ctx)
             return SSEResponse(stream, on_close=release)
         try:
             await until_disconnect(raw, collect(state, seqs))
@@ -161,26 +195,29 @@ class ChatHandler:
             raise state.error_for(e, request_id) from None
         finally:
             release()
-        return JSONResponse(self._response(req, request_id, created, seqs, top_n).model_dump(mode="json"))
+        return JSONResponse(self._response(req, request_id, created, seqs, top_n, tool_ctx).model_dump(mode="json"))
 
     def _response(
-        self, req: ChatCompletionRequest, request_id: str, created: int, seqs: list[Sequence], top_n: int
+        self, req: ChatCompletionRequest, request_id: str, created: int, seqs: list[Sequence], top_n: int,
+        tool_ctx: ToolContext | None = None,
     ) -> ChatCompletionResponse:
-        choices = [
-            ChatChoice(
+        choices = []
+        for s in seqs:
+            content, calls = extract_tool_calls(tool_ctx, s.text) if tool_ctx is not None else (s.text, [])
+            tool_calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
+            choices.append(ChatChoice(
                 index=s.index,
-                message=ChatResponseMessage(content=s.text),
+                message=ChatResponseMessage(content=content, tool_calls=tool_calls or None),
                 logprobs=chat_logprobs(self.state.token_text, s.logprobs, top_n) if req.logprobs else None,
-                finish_reason=s.finish_reason,
-            )
-            for s in seqs
-        ]
+                finish_reason=finish_reason_with_tools(s.finish_reason, len(calls)),
+            ))
         return ChatCompletionResponse(
             id=request_id, created=created, model=self.state.served_model_name, choices=choices, usage=_usage(seqs)
         )
 
     async def _stream(
-        self, req: ChatCompletionRequest, request_id: str, created: int, seqs: list[Sequence], top_n: int
+        self, req: ChatCompletionRequest, request_id: str, created: int, seqs: list[Sequence], top_n: int,
+        events: AsyncIterator[tuple[int, Any]] | None = None, tool_ctx: ToolContext | None = None,
     ) -> AsyncIterator[bytes]:
         state = self.state
         opts = req.stream_options
@@ -195,8 +232,7 @@ class ChatHandler:
                 usage=_usage(seqs) if continuous else None,
             )
             # {"content": "x"}, not {"role": null, "content": "x"}; no usage key unless asked for
-            exclude: dict[str, Any] = {"choices": {0: {"delta": {k for k in ("role", "content")
-                                                                 if getattr(delta, k) is None}}}}
+            exclude: dict[str, Any] = {"choices": {0: {"delta": _delta_exclude(delta)}}}
             if not include_usage:
                 exclude["usage"] = True
             return sse_event(c, exclude=exclude)
@@ -204,14 +240,28 @@ class ChatHandler:
         try:
             for s in seqs:
                 yield chunk(s.index, ChatDelta(role="assistant", content=""))
-            async for i, delta in merge_streams([run_sequence(state, s) for s in seqs]):
+            if events is None:
+                events = merge_streams([run_sequence(state, s) for s in seqs])
+            tool_streams = [ToolCallStream(tool_ctx) for _ in seqs] if tool_ctx is not None else None
+            async for i, delta in events:
                 lps = None
                 if req.logprobs and delta.logprobs:
                     lps = chat_logprobs(state.token_text, delta.logprobs, top_n)
-                if delta.text or lps is not None:
-                    yield chunk(i, ChatDelta(content=delta.text or ""), lps)
-                if delta.finish_reason is not None:
-                    yield chunk(i, ChatDelta(), finish_reason=delta.finish_reason)
+                finish_reason = delta.finish_reason
+                if tool_streams is None:
+                    if delta.text or lps is not None:
+                        yield chunk(i, ChatDelta(content=delta.text or ""), lps)
+                else:
+                    tool_events = tool_streams[i].feed(delta.text or "")
+                    if finish_reason is not None:
+                        tool_events += tool_streams[i].finish()
+                        finish_reason = finish_reason_with_tools(finish_reason, tool_streams[i].num_tool_calls)
+                    for k, message_delta in enumerate(_message_deltas(tool_events)):
+                        yield chunk(i, message_delta, lps if k == 0 else None)
+                    if lps is not None and not tool_events:
+                        yield chunk(i, ChatDelta(content=""), lps)
+                if finish_reason is not None:
+                    yield chunk(i, ChatDelta(), finish_reason=finish_reason)
             if include_usage:
                 yield sse_event(
                     ChatCompletionChunk(id=request_id, created=created, model=state.served_model_name,
@@ -220,6 +270,38 @@ class ChatHandler:
         except Exception as e:
             yield sse_event(state.error_for(e, request_id).body())
         yield DONE
+
+
+def _message_deltas(events: list[StreamEvent]) -> list[ChatDelta]:
+    """Tool-parser events -> message deltas, as OpenAI streams a call:
+    {"tool_calls": [{"index": 0, "id": "call_..", "type": "function", "function": {"name": "f", "arguments": ""}}]}
+    then {"tool_calls": [{"index": 0, "function": {"arguments": "{\"x\": 1}"}}]}."""
+    out = []
+    for e in events:
+        if isinstance(e, ContentDelta):
+            out.append(ChatDelta(content=e.text))
+        elif isinstance(e, ToolCallStart):
+            call = DeltaToolCall(index=e.index, id=e.id, type="function",
+                                 function=DeltaFunctionCall(name=e.name, arguments=""))
+            out.append(ChatDelta(tool_calls=[call]))
+        else:
+            out.append(ChatDelta(tool_calls=[DeltaToolCall(index=e.index,
+                                                            function=DeltaFunctionCall(arguments=e.arguments))]))
+    return out
+
+
+def _delta_exclude(delta: ChatDelta) -> dict[str, Any]:
+    """pydantic's `exclude` leaving out every None field of a delta, tool calls included."""
+    exclude: dict[str, Any] = {k: True for k in ("role", "content", "tool_calls") if getattr(delta, k) is None}
+    for j, call in enumerate(delta.tool_calls or ()):
+        fields: dict[str, Any] = {k: True for k in ("id", "type", "function") if getattr(call, k) is None}
+        if call.function is not None:
+            fn = {k: True for k in ("name", "arguments") if getattr(call.function, k) is None}
+            if fn:
+                fields["function"] = fn
+        if fields:
+            exclude.setdefault("tool_calls", {})[j] = fields
+    return exclude
 
 
 def _usage(seqs: list[Sequence]) -> UsageInfo:

@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 import msgspec
 from starlette.requests import Request
 
-from scheduler.types import SamplingParams, SamplingParamsError
+from scheduler.types import SamplingParams, SamplingParamsError, StructuredOutputSpec
 from server.engine_client import EngineDeadError, RequestRejectedError
 from server.errors import APIError, engine_dead, invalid_field, model_not_found
 from server.metrics import SequenceTimer, ServerMetrics
@@ -78,6 +78,7 @@ class ServingState:
     metrics: ServerMetrics
     admission: Admission
     token_text: "TokenText"
+    tool_parser: Any = None  # server.tool_parsers.ToolParser (--tool-call-parser)
 
     @property
     def max_model_len(self) -> int:
@@ -105,6 +106,9 @@ class ServingState:
         if isinstance(exc, EngineDeadError) or not self.client.is_healthy():
             return engine_dead()
         if isinstance(exc, RequestRejectedError):
+            param = getattr(exc, "param", None)
+            if param is not None:  # e.g. a schema or regex the engine could not compile
+                return invalid_field(param, f"{param}: {exc}")
             return APIError(f"The request was rejected: {exc}", code="request_rejected")
         logger.error("request %s failed", request_id, exc_info=exc)
         return APIError(f"Internal server error: {type(exc).__name__}: {exc}", status=500)
@@ -153,6 +157,7 @@ def build_sampling_params(
     prompt_logprobs: int | None,
     vocab_size: int,
     rename: dict[str, str],
+    structured_output: StructuredOutputSpec | None = None,
 ) -> SamplingParams:
     """The request's sampling fields as validated SamplingParams (n=1: one
     sequence; fan_out() makes the n children). `rename` maps a SamplingParams
@@ -190,6 +195,7 @@ def build_sampling_params(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens,
+        structured_output=structured_output,
     )
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                  "frequency_penalty", "repetition_penalty"):
@@ -268,6 +274,11 @@ async def run_sequence(state: ServingState, seq: Sequence) -> AsyncIterator[Any]
                     finished = True
                     timer.on_finish(delta.finish_reason)
                 yield delta
+    except RequestRejectedError as e:
+        spec = seq.params.structured_output
+        if spec is not None and getattr(e, "param", None) is None:
+            e.param = spec.param  # type: ignore[attr-defined]  # its grammar did not compile: name the field
+        raise
     finally:
         if not finished:
             timer.on_finish("abort")
@@ -322,6 +333,33 @@ async def collect(state: ServingState, seqs: list[Sequence]) -> None:
 
 class ClientDisconnected(Exception):
     pass
+
+
+async def first_then_rest(request: Request, events: AsyncIterator[T]) -> AsyncIterator[T]:
+    """Wait for the first item of `events`, then return an iterator over all
+    of them. What the first wait raises (ClientDisconnected included) is
+    raised here, with `events` closed. A guided request streams through this,
+    so that a grammar the engine cannot compile is a 400 before any header
+    is sent."""
+    it = events.__aiter__()
+    try:
+        first = await until_disconnect(request, it.__anext__())
+    except StopAsyncIteration:
+        first = None
+    except BaseException:
+        await it.aclose()  # type: ignore[attr-defined]
+        raise
+
+    async def chain() -> AsyncIterator[T]:
+        try:
+            if first is not None:
+                yield first
+                async for item in it:
+                    yield item
+        finally:
+            await it.aclose()  # type: ignore[attr-defined]
+
+    return chain()
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:

@@ -33,6 +33,7 @@ from server.serving_common import (
     check_context_length,
     child_params,
     collect,
+    first_then_rest,
     merge_streams,
     random_id,
     run_sequence,
@@ -40,6 +41,7 @@ from server.serving_common import (
     until_disconnect,
 )
 from server.sse import DONE, SSEResponse, sse_event
+from server.structured_outputs import structured_output_spec
 
 def normalize_prompts(
     prompt: str | list[str] | list[int] | list[list[int]], state: ServingState, add_special_tokens: bool
@@ -140,6 +142,7 @@ class CompletionHandler:
             prompt_logprobs=req.logprobs if want_prompt_lps else None,
             vocab_size=vocab_size,
             rename={"prompt_logprobs": "logprobs"},
+            structured_output=structured_output_spec(req),
         )
 
         release = state.admission.acquire(req.n * len(prompts))
@@ -153,7 +156,17 @@ class CompletionHandler:
             state.metrics.prompt_tokens.inc(len(ids))
         created = int(time.time())
         if req.stream:
-            return SSEResponse(self._stream(req, request_id, created, seqs), on_close=release)
+            events = merge_streams([run_sequence(state, s) for s in seqs])
+            if params.structured_output is not None:  # an invalid grammar is a 400, before any header goes out
+                try:
+                    events = await first_then_rest(raw, events)
+                except ClientDisconnected:
+                    release()
+                    return Response(status_code=499)
+                except Exception as e:
+                    release()
+                    raise state.error_for(e, request_id) from None
+            return SSEResponse(self._stream(req, request_id, created, seqs, events), on_close=release)
         try:
             await until_disconnect(raw, collect(state, seqs))
         except ClientDisconnected:
@@ -195,7 +208,7 @@ class CompletionHandler:
         )
 
     async def _stream(self, req: CompletionRequest, request_id: str, created: int,
-                      seqs: list[Sequence]) -> AsyncIterator[bytes]:
+                      seqs: list[Sequence], events: AsyncIterator[tuple[int, Any]] | None = None) -> AsyncIterator[bytes]:
         state = self.state
         opts = req.stream_options
         include_usage = opts is not None and opts.include_usage
@@ -210,7 +223,9 @@ class CompletionHandler:
             return sse_event(c, exclude=exclude)
 
         try:
-            async for i, delta in merge_streams([run_sequence(state, s) for s in seqs]):
+            if events is None:
+                events = merge_streams([run_sequence(state, s) for s in seqs])
+            async for i, delta in events:
                 seq = seqs[i]
                 text = delta.text or ""
                 logprobs = None
