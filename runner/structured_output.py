@@ -238,8 +238,9 @@ def _bounded_strings_as_patterns(schema: Any) -> Any:
     if not isinstance(schema, dict):
         return schema
     out = {k: (v if k in _DATA_KEYWORDS else _bounded_strings_as_patterns(v)) for k, v in schema.items()}
+    kind = out.get("type")
     if (
-        out.get("type") == "string"
+        (kind == "string" or (isinstance(kind, list) and "string" in kind))
         and ("minLength" in out or "maxLength" in out)
         and not any(k in out for k in ("pattern", "format", "enum", "const"))
     ):

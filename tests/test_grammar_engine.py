@@ -335,8 +335,10 @@ def test_bounded_strings_stay_valid_json():
         "a": {"type": "string", "maxLength": 8},
         "b": {"type": "string", "minLength": 2, "pattern": "^[a-z]+$"},
         "c": {"enum": [{"type": "string", "maxLength": 1}]},
+        "d": {"type": ["string", "null"], "minLength": 2, "maxLength": 3},
     }}
     out = _bounded_strings_as_patterns(schema)
     assert out["properties"]["a"]["pattern"] == "^.{0,8}$"
+    assert out["properties"]["d"]["pattern"] == "^.{2,3}$"
     assert out["properties"]["b"]["pattern"] == "^[a-z]+$"
     assert out["properties"]["c"] == schema["properties"]["c"]  # data, not a schema
