@@ -93,13 +93,11 @@ class HermesToolParser(ToolParser):
     def tools_system_prompt(self, tools: list[dict[str, Any]]) -> str:
         signatures = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
         return (
-            "You can call functions to help answer the user. Their signatures are given inside "
-            "<tools></tools> XML tags:\n<tools>\n"
-            f"{signatures}\n</tools>\n\n"
-            "To call a function, write a JSON object with its name and arguments inside "
-            "<tool_call></tool_call> XML tags, one block per call:\n"
+            "You may call these functions:\n<tools>\n"
+            f"{signatures}\n</tools>\n"
+            "For each call, write its name and arguments as JSON in <tool_call></tool_call> tags:\n"
             '<tool_call>\n{"name": <function-name>, "arguments": <arguments-object>}\n</tool_call>\n'
-            "Function results come back inside <tool_response></tool_response> tags."
+            "Results come back in <tool_response></tool_response> tags."
         )
 
     def format_tool_call(self, name: str, arguments: Any) -> str:
