@@ -5,10 +5,12 @@
 # logs, result JSONs and the compiled kernels in $OUT.
 #
 #   bench/h200_session.sh smoke bench-small tests          # first call
-#   bench/h200_session.sh smoke bench-big serve tests      # later
+#   bench/h200_session.sh bench-diag bench-big serve tests # later
 #
 # Stages: smoke, tests, bench-small (Llama-3.1-8B batch 1 + HF baseline,
-# Qwen3-0.6B 256 requests), bench-big (Llama-3.1-8B 1000 x 1000/1000), serve.
+# Qwen3-0.6B 256 requests), bench-diag (the same two, no baseline, as *_v2),
+# bench-big (Llama-3.1-8B 1000 x 1000/1000, max_num_seqs 256),
+# bench-big384 (the same, max_num_seqs 384), serve.
 set -u -o pipefail
 OUT=${OUT:-/tmp/serval_out}
 DEADLINE=${DEADLINE:-560}   # seconds for all stages; the kernel collection comes after
@@ -74,9 +76,9 @@ cache = torch.zeros(8, 2, 16, 8, 128, device='cuda', dtype=torch.bfloat16)
 print('prefill/mixed ok', b.forward(L, q, k, k.clone(), cache, b.build_metadata(inp)).float().abs().mean().item())
 " ;;
     tests)
-      EXTRA_LOG="$OUT/gpu_tests.log" stage tests 330 python3 -m pytest -q -m gpu -p no:cacheprovider \
+      EXTRA_LOG="$OUT/gpu_tests.log" stage tests 330 python3 -m pytest -m gpu -p no:cacheprovider \
         tests/test_gpu_attention.py tests/test_gpu_cuda_graph.py tests/test_gpu_engine.py \
-        tests/test_runner.py tests/test_engine_parity.py tests/test_sampler.py -rs ;;
+        tests/test_runner.py tests/test_engine_parity.py tests/test_sampler.py -v -rs ;;
     bench-small)
       stage llama8b_b1 200 python3 -m server.cli bench offline --model llama-3.1-8b --num-prompts 1 \
         --input-len 128 --output-len 256 --gpu-memory-utilization 0.7 --baseline-hf --baseline-new-tokens 32 \
@@ -84,12 +86,23 @@ print('prefill/mixed ok', b.forward(L, q, k, k.clone(), cache, b.build_metadata(
       stage qwen3_0.6b_256 150 python3 -m server.cli bench offline --model qwen3-0.6b --num-prompts 256 \
         --input-len 100:1024 --output-len 100:1024 --max-num-seqs 256 --max-num-batched-tokens 16384 \
         --name qwen3-0.6b_256req_100-1024 --results-dir "$OUT" ;;
+    bench-diag)
+      stage llama8b_b1_v2 120 python3 -m server.cli bench offline --model llama-3.1-8b --num-prompts 1 \
+        --input-len 128 --output-len 256 --profile-steps 30 --name llama-3.1-8b_b1_128in_256out_v2 --results-dir "$OUT"
+      stage qwen3_0.6b_256_v2 120 python3 -m server.cli bench offline --model qwen3-0.6b --num-prompts 256 \
+        --input-len 100:1024 --output-len 100:1024 --max-num-seqs 256 --max-num-batched-tokens 16384 \
+        --name qwen3-0.6b_256req_100-1024_v2 --results-dir "$OUT" ;;
+    bench-big384)
+      stage llama8b_1000_384 240 python3 -m server.cli bench offline --model llama-3.1-8b --num-prompts 1000 \
+        --input-len 1000 --output-len 1000 --max-num-seqs 384 --max-num-batched-tokens 8192 \
+        --name llama-3.1-8b_1000req_1000in_1000out_seqs384 --results-dir "$OUT" ;;
     bench-big)
       stage llama8b_1000 300 python3 -m server.cli bench offline --model llama-3.1-8b --num-prompts 1000 \
         --input-len 1000 --output-len 1000 --max-num-seqs 256 --max-num-batched-tokens 8192 \
         --name llama-3.1-8b_1000req_1000in_1000out --results-dir "$OUT" ;;
     serve)
-      stage serve 150 serve_check ;;
+      export -f serve_check
+      stage serve 150 bash -c serve_check ;;
     *) log "unknown stage $s" ;;
   esac
 done
@@ -114,7 +127,12 @@ line = f"{sys.argv[1].rsplit('/', 1)[-1]}: out {m['output_tok_s']:.0f} tok/s, to
 if "ms_per_decode_step" in m:
     line += f", decode {m['ms_per_decode_step']:.3f} ms (floor {fl['ms_per_decode_step']:.3f}, batch {m['mean_decode_batch']:.0f})"
 if "gpu_idle_fraction" in m:
-    line += f", GPU idle {100 * m['gpu_idle_fraction']:.1f}%"
+    line += (f", GPU idle {100 * m['gpu_idle_fraction']:.1f}% (kernel gaps {100 * m.get('gpu_idle_between_kernels_fraction', 0):.1f}%,"
+             f" host {100 * m.get('gpu_idle_waiting_host_fraction', 0):.1f}%, {m.get('gpu_kernels_per_step', 0):.0f} kernels/step)")
+if "ms_host_prepare_inputs" in m:
+    line += (f"; host ms prepare {m['ms_host_prepare_inputs']:.2f} launch {m['ms_host_forward_launch']:.2f}"
+             f" wait {m['ms_wait_for_gpu']:.2f} sched {m['ms_engine_outside_runner']:.2f}")
+line += f", preempt {m['num_preemptions']}, kv {m['kv_cache_tokens']}"
 b = r.get("baseline") or {}
 if "ms_per_decode_step" in b:
     line += f"; HF {b['ms_per_decode_step']:.1f} ms/step, {b['output_tok_s']:.0f} tok/s"

@@ -24,6 +24,8 @@ one page, the padding block, holding one token; their k/v land there too.
 
 from __future__ import annotations
 
+import builtins
+import sys
 from dataclasses import dataclass
 from typing import Union
 
@@ -42,6 +44,23 @@ WORKSPACE_BYTES = 256 << 20
 _FA_BACKEND = "fa2"
 
 Wrapper = Union[BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper]
+
+
+def _tensor_aware_max(*args, **kwargs):
+    """builtins.max, except that max(tensor) is one torch reduction.
+
+    FlashInfer's plan() (0.6.18) takes `max(kv_lens).item()` of a [batch]
+    CPU tensor: the builtin iterates it as `batch` 0-d tensors, about 1 ms
+    of host time per decode step at batch 256 while the GPU waits (measured
+    on the H200, bench/results/GPU_NOTES.md). Same value, one call."""
+    if len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):
+        return args[0].max()
+    return builtins.max(*args, **kwargs)
+
+
+# Module globals shadow builtins: only FlashInfer's decode/prefill modules see it.
+for _cls in (BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper):
+    sys.modules[_cls.__module__].max = _tensor_aware_max
 
 
 @dataclass
