@@ -342,3 +342,20 @@ def test_bounded_strings_stay_valid_json():
     assert out["properties"]["d"]["pattern"] == "^.{2,3}$"
     assert out["properties"]["b"]["pattern"] == "^[a-z]+$"
     assert out["properties"]["c"] == schema["properties"]["c"]  # data, not a schema
+
+
+def test_apply_token_bitmask_matches_xgrammar():
+    import torch
+    import xgrammar as xgr
+
+    from runner.structured_output import apply_token_bitmask
+
+    vocab, rows = 1000, [3, 0, 5]  # vocab not a multiple of 32; masked rows out of order
+    gen = torch.Generator().manual_seed(0)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (len(rows), -(-vocab // 32)), dtype=torch.int32, generator=gen)
+    logits = torch.randn(6, vocab, generator=gen)
+    expected = logits.clone()
+    for k, row in enumerate(rows):  # xgrammar's kernel, one row at a time
+        xgr.apply_token_bitmask_inplace(expected[row : row + 1], bitmask[k : k + 1], vocab_size=vocab)
+    apply_token_bitmask(logits, bitmask, torch.tensor(rows))
+    assert torch.equal(logits, expected)
