@@ -88,18 +88,18 @@ print('prefill/mixed ok', b.forward(L, q, k, k.clone(), cache, b.build_metadata(
         --name qwen3-0.6b_256req_100-1024 --results-dir "$OUT" ;;
     bench-diag)
       stage llama8b_b1_v2 120 python3 -m server.cli bench offline --model llama-3.1-8b --num-prompts 1 \
-        --input-len 128 --output-len 256 --profile-steps 30 --name llama-3.1-8b_b1_128in_256out_v2 --results-dir "$OUT"
+        --input-len 128 --output-len 256 --profile-steps 30 --name llama-3.1-8b_b1_128in_256out${SUFFIX:-_v2} --results-dir "$OUT"
       stage qwen3_0.6b_256_v2 120 python3 -m server.cli bench offline --model qwen3-0.6b --num-prompts 256 \
         --input-len 100:1024 --output-len 100:1024 --max-num-seqs 256 --max-num-batched-tokens 16384 \
-        --name qwen3-0.6b_256req_100-1024_v2 --results-dir "$OUT" ;;
+        --name qwen3-0.6b_256req_100-1024${SUFFIX:-_v2} --results-dir "$OUT" ;;
     bench-big384)
       stage llama8b_1000_384 240 python3 -m server.cli bench offline --model llama-3.1-8b --num-prompts 1000 \
         --input-len 1000 --output-len 1000 --max-num-seqs 384 --max-num-batched-tokens 8192 \
-        --name llama-3.1-8b_1000req_1000in_1000out_seqs384 --results-dir "$OUT" ;;
+        --name llama-3.1-8b_1000req_1000in_1000out_seqs384${SUFFIX:-} --results-dir "$OUT" ;;
     bench-big)
       stage llama8b_1000 300 python3 -m server.cli bench offline --model llama-3.1-8b --num-prompts 1000 \
         --input-len 1000 --output-len 1000 --max-num-seqs 256 --max-num-batched-tokens 8192 \
-        --name llama-3.1-8b_1000req_1000in_1000out --results-dir "$OUT" ;;
+        --name llama-3.1-8b_1000req_1000in_1000out${SUFFIX:-} --results-dir "$OUT" ;;
     serve)
       export -f serve_check
       stage serve 150 bash -c serve_check ;;
