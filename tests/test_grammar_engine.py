@@ -359,3 +359,21 @@ def test_apply_token_bitmask_matches_xgrammar():
         xgr.apply_token_bitmask_inplace(expected[row : row + 1], bitmask[k : k + 1], vocab_size=vocab)
     apply_token_bitmask(logits, bitmask, torch.tensor(rows))
     assert torch.equal(logits, expected)
+
+
+def test_guided_requests_survive_preemption(tiny_model_dir):
+    """A KV cache too small for the batch preempts requests; a resumed guided
+    request rebuilds its matcher from the tokens it had, and every output
+    still follows its grammar."""
+    import re
+
+    from server import LLM, SamplingParams
+
+    llm = LLM(tiny_model_dir, num_gpu_blocks_override=24, block_size=4, max_model_len=96, max_num_seqs=8)
+    regex = r"\[[0-9]{3}(, [0-9]{3}){3,9}\]"
+    params = [SamplingParams(max_tokens=80, temperature=1.0, seed=i,
+                             structured_output=StructuredOutputSpec("regex", regex)) for i in range(8)]
+    outs = llm.generate(["Numbers:"] * 8, params, use_tqdm=False)
+    assert llm.engine.make_stats().num_preemptions_total > 0
+    for o in outs:
+        assert o.outputs[0].finish_reason == "stop" and re.fullmatch(regex, o.outputs[0].text), o.outputs[0].text
