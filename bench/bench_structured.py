@@ -178,6 +178,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--load-format", default="auto", help="dummy: random weights (a config dir with a tokenizer)")
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--fill-steps", type=int, default=50)
     ap.add_argument("--num-requests", type=int, default=32)
@@ -190,7 +191,8 @@ def main() -> None:
 
     from server import LLM
 
-    llm = LLM(args.model, device=args.device, max_num_seqs=max(32, args.num_requests), kv_cache_memory_gb=0.5)
+    llm = LLM(args.model, device=args.device, load_format=args.load_format,
+              max_num_seqs=max(32, args.num_requests), kv_cache_memory_gb=0.5)
     device = llm.info.device.split(":")[0]
     print(f"{llm.info.model} on {llm.info.device} ({llm.info.dtype}), vocab {llm.info.vocab_size}, "
           f"torch threads {torch.get_num_threads()}")
@@ -202,7 +204,8 @@ def main() -> None:
         "host": host_description(),
         "date": datetime.date.today().isoformat(),
         "command": "python bench/bench_structured.py " + " ".join(sys.argv[1:]),
-        "model": f"{llm.info.model} ({llm.info.dtype}, vocab {llm.info.vocab_size})",
+        "model": f"{llm.info.model} ({llm.info.dtype}, vocab {llm.info.vocab_size}"
+                 + (", dummy random weights)" if args.load_format == "dummy" else ")"),
         "workload": {
             "mask_fill": {"schema": "object with a string and 8 {name, qty} items", "batch_sizes": [int(b) for b in fill],
                           "steps": args.fill_steps},
