@@ -221,10 +221,12 @@ def run_engine(args, config) -> dict:
     import torch
 
     from runner.engine import build_engine_core
+    from scheduler.engine_core import freeze_gc_after_startup
     from scheduler.types import EngineCoreRequest, SamplingParams
 
     t0 = time.perf_counter()
     core, info = build_engine_core(config)
+    freeze_gc_after_startup()  # as the engine-core process does
     startup_s = time.perf_counter() - t0
     runner = core.runner
     model = runner.model

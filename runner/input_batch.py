@@ -4,8 +4,8 @@ The scheduler sends a diff each step (new requests, block ids appended to
 running ones, finished ids). The batch applies it in place:
 - `add_request(NewRequestData)` is the ONE write path into a row, for a new
   request and for one resumed after preemption alike;
-- `update_request(...)` appends new block ids of a running request;
-- `append_token(...)` appends a sampled token;
+- `update_requests(...)` appends new block ids of running requests;
+- `append_tokens(...)` appends the sampled tokens;
 - `remove_request(req_id)` frees a row, and `condense()` moves the last rows
   into the holes so rows 0..num_reqs-1 are exactly the live requests.
 
@@ -134,16 +134,18 @@ class SamplingColumns:
 
 
 class BlockTable:
-    """Block ids per row: [max_num_seqs, max_blocks_per_req] int32, plus the
-    count of valid entries per row. Unused entries hold 0."""
+    """Block ids per row: [max_num_seqs, max_blocks_per_req] int32 (host
+    only: the runner copies the columns a step reads into its own step
+    buffer), plus the count of valid entries per row. Entries past a row's
+    count hold 0, also in free rows, so a prefix copy moves a whole row."""
 
-    def __init__(self, max_num_seqs: int, max_blocks_per_req: int, device: torch.device):
+    def __init__(self, max_num_seqs: int, max_blocks_per_req: int):
         self.max_blocks_per_req = max_blocks_per_req
-        self.table = CpuGpuBuffer(max_num_seqs, max_blocks_per_req, dtype=torch.int32, device=device)
+        self.table = np.zeros((max_num_seqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_seqs, dtype=np.int32)
 
     def set_row(self, row: int, block_ids: list[int]) -> None:
-        self.table.np[row] = 0
+        self.table[row, : self.num_blocks[row]] = 0
         self.num_blocks[row] = 0
         self.append_row(row, block_ids)
 
@@ -156,15 +158,17 @@ class BlockTable:
             raise ValueError(
                 f"request needs {end} KV blocks, more than max_blocks_per_req={self.max_blocks_per_req}"
             )
-        self.table.np[row, start:end] = block_ids
+        self.table[row, start:end] = block_ids
         self.num_blocks[row] = end
 
     def move_row(self, src: int, dst: int) -> None:
-        self.table.np[dst] = self.table.np[src]
+        # src holds 0 past its count: copying the longer prefix also zeroes dst's stale ids
+        n = max(self.num_blocks[src], self.num_blocks[dst])
+        self.table[dst, :n] = self.table[src, :n]
         self.num_blocks[dst] = self.num_blocks[src]
 
     def block_ids(self, row: int) -> list[int]:
-        return self.table.np[row, : self.num_blocks[row]].tolist()
+        return self.table[row, : self.num_blocks[row]].tolist()
 
 
 # ---------------------------------------------------------------------------
@@ -193,8 +197,13 @@ class InputBatch:
         self.num_prompt_tokens = np.zeros(max_num_seqs, dtype=np.int32)
         self.num_tokens = np.zeros(max_num_seqs, dtype=np.int32)  # prompt + outputs so far
         self.num_computed_tokens = np.zeros(max_num_seqs, dtype=np.int32)  # before this step
-        self.block_table = BlockTable(max_num_seqs, max_blocks_per_req, device)
+        self.block_table = BlockTable(max_num_seqs, max_blocks_per_req)
         self.sampling = SamplingColumns.allocate(max_num_seqs)
+        # Bumped by every write that adds, removes or moves a row, so that
+        # per-row data derived from the columns (the sampler's sub-batch) can
+        # be reused while it is unchanged. Token appends do not bump it.
+        self.version = 0
+        self._sampling_cache: tuple[int, np.ndarray, SamplingColumns] | None = None  # (version, rows, columns)
         # prompt logprobs gathered so far, for requests that asked and whose
         # prefill is not finished; sent (and dropped) when it finishes
         self.prompt_logprobs: dict[str, list[Logprob]] = {}
@@ -219,6 +228,17 @@ class InputBatch:
     def output_token_ids(self, row: int) -> list[int]:
         return self.token_ids[row, self.num_prompt_tokens[row] : self.num_tokens[row]].tolist()
 
+    def sampling_of(self, rows: np.ndarray) -> SamplingColumns:
+        """`sampling.take(rows)`, reused from the last call while no row was
+        added, removed or moved since and rows are the same (every decode
+        step of a steady batch). Callers must not write into it."""
+        cached = self._sampling_cache
+        if cached is not None and cached[0] == self.version and np.array_equal(cached[1], rows):
+            return cached[2]
+        columns = self.sampling.take(rows)
+        self._sampling_cache = (self.version, rows.copy(), columns)
+        return columns
+
     # -- writes ----------------------------------------------------------
     def add_request(self, req: NewRequestData) -> int:
         """Put a new or resumed request into the lowest free row; return the row."""
@@ -233,6 +253,7 @@ class InputBatch:
                 f"request {req.req_id!r} has {num_tokens} tokens, more than max_model_len={self.max_model_len}"
             )
         row = heapq.heappop(self._free_rows)
+        self.version += 1
         self.req_ids[row] = req.req_id
         self.req_id_to_row[req.req_id] = row
         self.token_ids[row, :num_prompt] = req.prompt_token_ids
@@ -258,20 +279,38 @@ class InputBatch:
         return row
 
     def update_request(self, req_id: str, new_block_ids: list[int], num_computed_tokens: int) -> None:
-        row = self.req_id_to_row[req_id]
-        self.block_table.append_row(row, new_block_ids)
-        self.num_computed_tokens[row] = num_computed_tokens
+        self.update_requests([req_id], [new_block_ids], [num_computed_tokens])
+
+    def update_requests(
+        self, req_ids: list[str], new_block_ids: list[list[int]], num_computed_tokens: list[int]
+    ) -> None:
+        """Running requests, column-wise (a CachedRequestData): append each
+        one's new block ids, set its num_computed_tokens."""
+        if not req_ids:
+            return
+        rows = np.fromiter(map(self.req_id_to_row.__getitem__, req_ids), dtype=np.int64, count=len(req_ids))
+        self.num_computed_tokens[rows] = num_computed_tokens
+        for i, block_ids in enumerate(new_block_ids):
+            if block_ids:  # a decode step gives a new block to 1 request in block_size
+                self.block_table.append_row(int(rows[i]), block_ids)
 
     def append_token(self, row: int, token_id: int) -> None:
         n = self.num_tokens[row]
         self.token_ids[row, n] = token_id
         self.num_tokens[row] = n + 1
 
+    def append_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+        """append_token(rows[i], token_ids[i]) for every i; rows are distinct."""
+        n = self.num_tokens[rows]
+        self.token_ids[rows, n] = token_ids
+        self.num_tokens[rows] = n + 1
+
     def remove_request(self, req_id: str) -> int | None:
         """Free the request's row (a hole until `condense()`); None if absent."""
         row = self.req_id_to_row.pop(req_id, None)
         if row is None:
             return None
+        self.version += 1
         self.req_ids[row] = None
         self.prompt_logprobs.pop(req_id, None)
         self.sampling.clear(row)
@@ -298,6 +337,7 @@ class InputBatch:
     def _move_row(self, src: int, dst: int) -> None:
         req_id = self.req_ids[src]
         assert req_id is not None and self.req_ids[dst] is None
+        self.version += 1
         n = self.num_tokens[src]
         self.token_ids[dst, :n] = self.token_ids[src, :n]
         for arr in (self.num_prompt_tokens, self.num_tokens, self.num_computed_tokens):

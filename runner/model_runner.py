@@ -93,7 +93,8 @@ class ModelRunner:
         self.slot_mapping = CpuGpuBuffer(max_num_batched_tokens, dtype=torch.int64, device=device)
         self.query_start_loc = CpuGpuBuffer(max_num_seqs + 1, dtype=torch.int32, device=device)
         self.seq_lens = CpuGpuBuffer(max_num_seqs, dtype=torch.int32, device=device)
-        self.block_table = CpuGpuBuffer(max_num_seqs, self.max_blocks_per_req, dtype=torch.int32, device=device)
+        # flat: a step's [num_reqs, num_cols] table is one contiguous prefix (see _prepare_inputs)
+        self.block_table = CpuGpuBuffer(max_num_seqs * self.max_blocks_per_req, dtype=torch.int32, device=device)
         self.num_computed_tokens_cpu = torch.zeros(max_num_seqs, dtype=torch.int32)
         self.arange = np.arange(max(max_num_batched_tokens, max_num_seqs) + 1, dtype=np.int64)
         # The step's one host sync: sampled ids land here, then the host waits
@@ -128,20 +129,25 @@ class ModelRunner:
                 meta.bitmask_rows, meta.token_bitmask = guided
             out = self.sampler(logits, meta)
             sampled = self._to_host(out.sampled_token_ids)
-            for row, token_id in zip(sample_rows.tolist(), sampled):
-                self.batch.append_token(row, token_id)
+            self.batch.append_tokens(sample_rows, np.array(sampled, dtype=np.int32))
             if guided is not None:
                 self.grammar_matchers.accept(sample_req_ids, sampled)
             if out.logprobs is not None:
-                logprobs = [None] * len(step.req_ids)
-                for i, lp in zip(step.sample_reqs.tolist(), out.logprobs):
-                    logprobs[i] = lp
+                if len(sampled) == len(step.req_ids):  # every request samples (decode steps)
+                    logprobs = out.logprobs
+                else:
+                    logprobs = [None] * len(step.req_ids)
+                    for i, lp in zip(step.sample_reqs.tolist(), out.logprobs):
+                        logprobs[i] = lp
         else:
             self._to_host(None)  # nothing sampled: still wait for the step's device work
 
-        sampled_token_ids: list[list[int]] = [[] for _ in step.req_ids]
-        for i, token_id in zip(step.sample_reqs.tolist(), sampled):
-            sampled_token_ids[i] = [token_id]
+        if len(sampled) == len(step.req_ids):
+            sampled_token_ids = [[token_id] for token_id in sampled]
+        else:
+            sampled_token_ids = [[] for _ in step.req_ids]
+            for i, token_id in zip(step.sample_reqs.tolist(), sampled):
+                sampled_token_ids[i] = [token_id]
         return RunnerOutput(
             req_ids=step.req_ids,
             sampled_token_ids=sampled_token_ids,
@@ -183,17 +189,14 @@ class ModelRunner:
             if grammar_matchers is not None:
                 grammar_matchers.add_request(req)  # a resumed request replays its outputs
         cached = sched_out.scheduled_cached_reqs
-        for req_id, new_block_ids, num_computed in zip(
-            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
-        ):
-            batch.update_request(req_id, new_block_ids, num_computed)
+        batch.update_requests(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens)
         batch.condense()
 
     def _prepare_inputs(self, num_scheduled_tokens: dict[str, int]) -> StepInputs:
         batch = self.batch
         req_ids = list(num_scheduled_tokens)
         num_reqs = len(req_ids)
-        rows = np.fromiter((batch.row_of(r) for r in req_ids), dtype=np.int64, count=num_reqs)
+        rows = np.fromiter(map(batch.req_id_to_row.__getitem__, req_ids), dtype=np.int64, count=num_reqs)
         num_scheduled = np.fromiter(num_scheduled_tokens.values(), dtype=np.int64, count=num_reqs)
         # num_scheduled=[2, 3] -> cu_num_scheduled=[2, 5], num_tokens=5
         cu_num_scheduled = np.cumsum(num_scheduled)
@@ -218,14 +221,25 @@ class ModelRunner:
         # slot = block_table[pos // block_size] * block_size + pos % block_size
         # block_size=4, blocks=[7, 2], pos=5 -> 2 * 4 + 1 = 9
         bs = self.block_size
-        block_ids = batch.block_table.table.np[token_rows, positions // bs]
+        block_ids = batch.block_table.table[token_rows, positions // bs]
         np.add(block_ids * bs, positions % bs, out=self.slot_mapping.np[:num_tokens])
 
         self.query_start_loc.np[0] = 0
         self.query_start_loc.np[1 : num_reqs + 1] = cu_num_scheduled
         self.seq_lens.np[:num_reqs] = seq_lens
         self.num_computed_tokens_cpu.numpy()[:num_reqs] = num_computed
-        self.block_table.np[:num_reqs] = batch.block_table.table.np[rows]
+        # Only the columns the step reads, i.e. the longest request's blocks
+        # (the table is max_model_len / block_size wide: 8 MiB at 256 x 131,072):
+        # seq_lens=[33, 5], block_size=16 -> num_cols=3, block_table [2, 3]
+        max_seq_len = int(seq_lens.max())
+        num_cols = min(cdiv(max_seq_len, bs), self.max_blocks_per_req)
+        num_entries = num_reqs * num_cols
+        np.take(
+            batch.block_table.table[:, :num_cols],
+            rows,
+            axis=0,
+            out=self.block_table.np[:num_entries].reshape(num_reqs, num_cols),
+        )
 
         # A request samples iff this step reaches its last token (partial
         # prefill chunks do not): logits at its last flat token.
@@ -236,15 +250,15 @@ class ModelRunner:
             num_reqs=num_reqs,
             num_tokens=num_tokens,
             max_query_len=int(num_scheduled.max()),
-            max_seq_len=int(seq_lens.max()),
+            max_seq_len=max_seq_len,
             block_size=bs,
             query_start_loc_cpu=self.query_start_loc.cpu[: num_reqs + 1],
             seq_lens_cpu=self.seq_lens.cpu[:num_reqs],
             num_computed_tokens_cpu=self.num_computed_tokens_cpu[:num_reqs],
-            block_table_cpu=self.block_table.cpu[:num_reqs],
+            block_table_cpu=self.block_table.cpu[:num_entries].view(num_reqs, num_cols),
             query_start_loc=self.query_start_loc.copy_to_gpu(num_reqs + 1),
             seq_lens=self.seq_lens.copy_to_gpu(num_reqs),
-            block_table=self.block_table.copy_to_gpu(num_reqs),
+            block_table=self.block_table.copy_to_gpu(num_entries).view(num_reqs, num_cols),
             slot_mapping=self.slot_mapping.copy_to_gpu(num_tokens),
         )
         return StepInputs(

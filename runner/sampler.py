@@ -65,7 +65,7 @@ class SamplingMetadata:
     @classmethod
     def from_batch(cls, batch: InputBatch, rows: np.ndarray) -> "SamplingMetadata":
         return cls(
-            params=batch.sampling.take(rows),
+            params=batch.sampling_of(rows),
             num_prompt_tokens=batch.num_prompt_tokens[rows],
             num_tokens=batch.num_tokens[rows],
             all_token_ids=batch.token_ids,

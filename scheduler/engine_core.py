@@ -16,6 +16,7 @@ invalid grammar becomes an ERROR output without ever being scheduled.
 
 from __future__ import annotations
 
+import gc
 import time
 from typing import Iterable, Protocol, runtime_checkable
 
@@ -40,6 +41,29 @@ class ModelRunnerProtocol(Protocol):
     ids) before adding `scheduled_new_reqs`."""
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput: ...
+
+
+# Allocations between young-generation collections (Python's default: 700).
+# A step at 1,024 running requests nets ~2,500 new container objects, so the
+# default collects gen 0 several times a step and reaches a full collection
+# every ~100 steps.
+GC_GEN0_THRESHOLD = 10_000
+
+
+def freeze_gc_after_startup() -> None:
+    """Call once, when the engine is built (model, KV cache, CUDA graphs,
+    scheduler): collect, move every object alive now into the collector's
+    permanent generation, and collect the young generation less often.
+
+    The full collections that steps trigger then no longer walk the model's
+    modules and parameters, the KV block pool and the other start-up objects
+    (none of them ever becomes garbage). bench/bench_host_overhead.py at
+    1,024 decoding requests on the dev box: step p99 about 100 ms without
+    this, 13 ms with the freeze alone, 3.9 ms with the threshold too."""
+    gc.collect()
+    gc.freeze()
+    _, gen1, gen2 = gc.get_threshold()
+    gc.set_threshold(max(GC_GEN0_THRESHOLD, gc.get_threshold()[0]), gen1, gen2)
 
 
 # With only grammar compiles in flight, a step waits this long for one to

@@ -23,7 +23,7 @@ from typing import Callable
 import msgspec
 import zmq
 
-from scheduler.engine_core import EngineCore
+from scheduler.engine_core import EngineCore, freeze_gc_after_startup
 from scheduler.types import (
     EngineAbortRequests,
     EngineAddRequests,
@@ -157,6 +157,7 @@ def run_engine_loop(
     output_sock.setsockopt(zmq.SNDTIMEO, 1000)
     output_sock.connect(output_addr)
     try:
+        freeze_gc_after_startup()  # the core is built: its objects stay for good
         if on_connected is not None:
             on_connected()
         _EngineLoop(core, input_sock, output_sock, stats_interval_s).run()

@@ -418,3 +418,44 @@ def test_sampling_metadata_from_batch_rows():
     assert meta.params.top_k.tolist() == [7, 0]
     assert meta.params.repetition_penalty.tolist() == pytest.approx([1.0, 1.2])
     assert meta.params.min_tokens_stop_ids[0] == (9,)
+
+
+def test_prepare_inputs_block_table_has_only_the_columns_the_step_reads():
+    # max_model_len 64, block_size 4 -> 16 columns per row; seq_lens [6, 3] read 2
+    runner = make_runner(ToyModel())
+    runner.execute(
+        sched(
+            new=[new_req("a", [3, 1, 4, 1, 5, 9], blocks=[7, 2]), new_req("b", [2, 6, 5], blocks=[11])],
+            num_scheduled={"b": 3, "a": 6},
+        )
+    )
+    runner._update_batch(sched(cached=[("a", [], 6), ("b", [], 3)], num_scheduled={"a": 1, "b": 1}))
+    step = runner._prepare_inputs({"a": 1, "b": 1})  # decode: seq_lens [7, 4]
+    assert step.attn.block_table_cpu.tolist() == [[7, 2], [11, 0]]
+    assert step.attn.block_table.shape == (2, 2) and step.attn.block_table.is_contiguous()
+
+
+def test_batch_moved_row_keeps_zeros_past_its_blocks():
+    batch = InputBatch(max_num_seqs=3, max_model_len=32, max_blocks_per_req=8, device=CPU)
+    batch.add_request(new_req("a", [1], blocks=[4, 5, 6, 7]))
+    batch.add_request(new_req("b", [2], blocks=[8]))
+    batch.remove_request("a")
+    batch.condense()  # b moves into a's row, which held 4 blocks
+    assert batch.block_table.table[0].tolist() == [8, 0, 0, 0, 0, 0, 0, 0]
+    batch.update_requests(["b"], [[9, 10]], [1])
+    assert batch.block_table.block_ids(0) == [8, 9, 10]
+
+
+def test_batch_sampling_of_is_reused_until_a_row_changes():
+    batch = InputBatch(max_num_seqs=3, max_model_len=16, max_blocks_per_req=4, device=CPU)
+    batch.add_request(new_req("a", [1], temperature=0.3))
+    batch.add_request(new_req("b", [2], temperature=0.7))
+    rows = np.array([1, 0])
+    first = batch.sampling_of(rows)
+    batch.append_tokens(rows, np.array([5, 6]))  # tokens do not touch the columns
+    assert batch.sampling_of(np.array([1, 0])) is first
+    assert batch.sampling_of(np.array([0, 1])).temperature.tolist() == pytest.approx([0.3, 0.7])
+    batch.remove_request("a")
+    batch.add_request(new_req("c", [3], temperature=0.9))  # takes row 0
+    assert batch.sampling_of(rows).temperature.tolist() == pytest.approx([0.7, 0.9])
+    assert batch.all_token_ids(1) == [2, 5]

@@ -49,10 +49,13 @@ class AttentionInputs:
     query_start_loc_cpu: torch.Tensor  # [num_reqs + 1] int32
     seq_lens_cpu: torch.Tensor  # [num_reqs] int32
     num_computed_tokens_cpu: torch.Tensor  # [num_reqs] int32
-    block_table_cpu: torch.Tensor  # [num_reqs, max_blocks_per_req] int32
+    # [num_reqs, num_cols] int32, num_cols >= cdiv(max_seq_len, block_size) (the
+    # runner passes exactly that many): row i's first cdiv(seq_lens[i], block_size)
+    # entries are its blocks; entries past them are valid block ids or 0, never read
+    block_table_cpu: torch.Tensor
     query_start_loc: torch.Tensor  # [num_reqs + 1] int32, device
     seq_lens: torch.Tensor  # [num_reqs] int32, device
-    block_table: torch.Tensor  # [num_reqs, max_blocks_per_req] int32, device
+    block_table: torch.Tensor  # [num_reqs, num_cols] int32, device: block_table_cpu's copy
     slot_mapping: torch.Tensor  # [num_tokens] int64, device: block_id * block_size + offset
 
     @property
