@@ -7,7 +7,7 @@
 #   bench/h200_session.sh smoke bench-small tests          # first call
 #   bench/h200_session.sh bench-diag bench-big serve tests # later
 #
-# Stages: smoke, tests, bench-small (Llama-3.1-8B batch 1 + HF baseline,
+# Stages: smoke, tests, structured (bench_structured.py on the GPU), bench-small (Llama-3.1-8B batch 1 + HF baseline,
 # Qwen3-0.6B 256 requests), bench-diag (the same two, no baseline, as *_v2),
 # bench-big (Llama-3.1-8B 1000 x 1000/1000, max_num_seqs 256),
 # bench-big384 (the same, max_num_seqs 384), serve.
@@ -100,6 +100,11 @@ print('prefill/mixed ok', b.forward(L, q, k, k.clone(), cache, b.build_metadata(
       stage llama8b_1000 300 python3 -m server.cli bench offline --model llama-3.1-8b --num-prompts 1000 \
         --input-len 1000 --output-len 1000 --max-num-seqs 256 --max-num-batched-tokens 8192 \
         --name llama-3.1-8b_1000req_1000in_1000out${SUFFIX:-} --results-dir "$OUT" ;;
+    structured)
+      # guided decoding on the GPU: SmolLM2-135M shape, dummy weights, the real tokenizer
+      # (.gpu_models/smollm2-135m: config.json + tokenizer files, carried; not in git)
+      stage structured 180 python3 bench/bench_structured.py --model .gpu_models/smollm2-135m \
+        --load-format dummy --device cuda --out "$OUT/structured_cuda.json" ;;
     serve)
       export -f serve_check
       stage serve 150 bash -c serve_check ;;
