@@ -159,8 +159,9 @@ class Sampler:
                     toks.append(tok)
                     vals.append(bias)
         if rows:
-            idx = (torch.tensor(rows, device=logits.device), torch.tensor(toks, device=logits.device))
-            logits.index_put_(idx, torch.tensor(vals, dtype=logits.dtype, device=logits.device), accumulate=True)
+            dev = logits.device
+            idx = (_h2d(np.array(rows, dtype=np.int64), dev), _h2d(np.array(toks, dtype=np.int64), dev))
+            logits.index_put_(idx, _h2d(np.array(vals, dtype=np.float32), dev).to(logits.dtype), accumulate=True)
 
     def _apply_min_tokens(self, logits: torch.Tensor, meta: SamplingMetadata) -> None:
         p = meta.params
@@ -175,7 +176,8 @@ class Sampler:
                     rows.append(row)
                     toks.append(tok)
         if rows:
-            logits[torch.tensor(rows, device=logits.device), torch.tensor(toks, device=logits.device)] = float("-inf")
+            dev = logits.device
+            logits[_h2d(np.array(rows, dtype=np.int64), dev), _h2d(np.array(toks, dtype=np.int64), dev)] = float("-inf")
 
     def _apply_penalties(self, logits: torch.Tensor, meta: SamplingMetadata) -> None:
         p = meta.params
@@ -193,19 +195,19 @@ class Sampler:
         ids = np.where(valid & (token_ids < vocab), token_ids, vocab).astype(np.int64)
         if use_rep.any():
             seen = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=dev)
-            seen.scatter_(1, torch.from_numpy(ids).to(dev), True)
+            seen.scatter_(1, _h2d(ids, dev), True)
             seen = seen[:, :vocab]
-            pen = torch.from_numpy(p.repetition_penalty).to(dev)[:, None]
+            pen = _h2d(p.repetition_penalty, dev)[:, None]
             penalised = torch.where(logits > 0, logits / pen, logits * pen)
             logits.copy_(torch.where(seen, penalised, logits))
         if use_freq_pres.any():
             is_output = cols >= meta.num_prompt_tokens[:, None]
-            out_ids = torch.from_numpy(np.where(is_output, ids, vocab)).to(dev)
+            out_ids = _h2d(np.where(is_output, ids, vocab), dev)
             counts = torch.zeros(num_rows, vocab + 1, dtype=logits.dtype, device=dev)
             counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=logits.dtype))
             counts = counts[:, :vocab]
-            freq = torch.from_numpy(p.frequency_penalty).to(dev)[:, None]
-            pres = torch.from_numpy(p.presence_penalty).to(dev)[:, None]
+            freq = _h2d(p.frequency_penalty, dev)[:, None]
+            pres = _h2d(p.presence_penalty, dev)[:, None]
             logits -= freq * counts + pres * (counts > 0).to(logits.dtype)
 
     # -- random sampling ----------------------------------------------------
@@ -213,7 +215,7 @@ class Sampler:
         """logits: [len(rows), vocab] of the non-greedy rows -> sampled ids [len(rows)]."""
         p = meta.params
         dev = logits.device
-        temperature = torch.from_numpy(p.temperature[rows]).to(dev)[:, None]
+        temperature = _h2d(p.temperature[rows], dev)[:, None]
         logits = logits / temperature
 
         top_k = p.top_k[rows]
@@ -225,7 +227,7 @@ class Sampler:
         min_p = p.min_p[rows]
         if (min_p > 0).any():
             probs = logits.softmax(dim=-1)
-            threshold = torch.from_numpy(min_p).to(dev)[:, None] * probs.max(dim=-1, keepdim=True).values
+            threshold = _h2d(min_p, dev)[:, None] * probs.max(dim=-1, keepdim=True).values
             logits = logits.masked_fill(probs < threshold, float("-inf"))
         probs = logits.softmax(dim=-1)
 
@@ -245,8 +247,19 @@ class Sampler:
         return (probs / noise).argmax(dim=-1)
 
 
+def _h2d(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on `device`. To a GPU through pinned memory with a
+    non-blocking copy, so the host does not wait for the forward pass queued
+    before it (a copy from pageable memory would); torch's pinned allocator
+    keeps the staging buffer alive until the copy has run."""
+    t = torch.from_numpy(array)
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _index(rows: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(rows.astype(np.int64)).to(device)
+    return _h2d(rows.astype(np.int64), device)
 
 
 # top-p without top-k looks for its cut among this many most likely tokens
@@ -278,15 +291,15 @@ def _top_k_top_p_among(
     dev = logits.device
     vals, ids = logits.topk(num_candidates, dim=-1)  # sorted, descending
     ranks = torch.arange(num_candidates, device=dev)[None, :]
-    k_t = torch.from_numpy(k).to(dev)[:, None]
+    k_t = _h2d(k, dev)[:, None]
     vals = vals.masked_fill(ranks >= k_t, float("-inf"))
     if (top_p < 1.0).any():
         # normaliser: over the kept top-k tokens, or the whole row without top-k
-        full = torch.from_numpy(k == logits.shape[1]).to(dev)
+        full = _h2d(k == logits.shape[1], dev)
         lse = torch.where(full, logits.logsumexp(dim=-1), vals.logsumexp(dim=-1))[:, None]
         probs = (vals - lse).exp()
         cum = probs.cumsum(dim=-1)
-        p = torch.from_numpy(top_p).to(dev)[:, None]
+        p = _h2d(top_p, dev)[:, None]
         if num_candidates < logits.shape[1] and bool(((cum[:, -1:] < p) & full[:, None]).any()):
             return None
         drop = (cum - probs >= p) & (p < 1.0)
