@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from bench.bench_scheduler import host_description  # noqa: E402
+from bench.common import cpu_python_description, write_result  # noqa: E402
 from runner.attention import AttentionInputs, RunnerAttentionBackend  # noqa: E402
 from runner.model_runner import ModelRunner, cdiv  # noqa: E402
 from scheduler.config import SchedulerConfig  # noqa: E402
@@ -221,7 +221,7 @@ def main() -> None:
     }
     result = {
         "bench": "host_overhead",
-        "host": host_description(),
+        "host": cpu_python_description(),
         "date": datetime.date.today().isoformat(),
         "command": ".venv/bin/python bench/bench_host_overhead.py --label LABEL",
         "workload": {
@@ -242,11 +242,7 @@ def main() -> None:
         },
         "runs": runs,
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-        f.write("\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

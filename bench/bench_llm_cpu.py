@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
-import platform
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import cpu_description, write_result  # noqa: E402
 
 QUESTIONS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Why is the sky blue?",
@@ -36,16 +36,6 @@ QUESTIONS = [
     "What is the tallest mountain in the world?", "Explain how a battery works.",
     "What are clouds made of?", "Tell me about the history of the bicycle.",
 ]
-
-
-def host_description() -> str:
-    cpu = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores"
 
 
 def output_lens(num_prompts: int, lo: int, hi: int) -> list[int]:
@@ -136,7 +126,7 @@ def main() -> None:
 
     result = {
         "bench": "llm_cpu",
-        "host": host_description(),
+        "host": cpu_description(),
         "date": datetime.date.today().isoformat(),
         "command": " ".join(["python bench/bench_llm_cpu.py", *sys.argv[1:]]),
         "model": f"{source.name} (Q4_1 GGUF dequantised to float32), embedded default",
@@ -157,11 +147,7 @@ def main() -> None:
             "elapsed_s": round(hf_s, 2),
         },
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-        f.write("\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

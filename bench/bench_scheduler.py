@@ -11,15 +11,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import json
 import os
-import platform
 import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.common import cpu_python_description, write_result  # noqa: E402
 from scheduler.config import SchedulerConfig  # noqa: E402
 from scheduler.scheduler import Scheduler  # noqa: E402
 from scheduler.types import EngineCoreRequest, RunnerOutput, SamplingParams, SchedulerOutput  # noqa: E402
@@ -28,19 +27,6 @@ from scheduler.types import EngineCoreRequest, RunnerOutput, SamplingParams, Sch
 def trivial_runner_output(so: SchedulerOutput, token: int) -> RunnerOutput:
     req_ids = list(so.num_scheduled_tokens)
     return RunnerOutput(req_ids=req_ids, sampled_token_ids=[[token] for _ in req_ids])
-
-
-def host_description() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, {platform.system()}"
 
 
 def bench(num_reqs: int, prompt_len: int, num_steps: int, block_size: int, prefix_caching: bool, gc_on: bool) -> dict:
@@ -116,7 +102,7 @@ def main() -> None:
             )
     result = {
         "bench": "scheduler_step",
-        "host": host_description(),
+        "host": cpu_python_description(),
         "date": datetime.date.today().isoformat(),
         "command": " ".join([os.path.relpath(sys.executable)] + sys.argv),
         "workload": {
@@ -132,11 +118,7 @@ def main() -> None:
         "details": {"gc_on": rows, "gc_off": rows_nogc},
         "target": {"us_per_step_256": 1000},
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-        f.write("\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

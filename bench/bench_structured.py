@@ -21,12 +21,13 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import cpu_description, write_result  # noqa: E402
 
 # outputs longer than the 64 decoded tokens: every guided request runs to max_tokens
 LONG_SCHEMA = {
@@ -54,13 +55,7 @@ def host_description() -> str:
 
     if torch.cuda.is_available():
         return torch.cuda.get_device_name(0)
-    cpu = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores"
+    return cpu_description()
 
 
 def _sync(device) -> None:
@@ -224,10 +219,7 @@ def main() -> None:
         },
     }
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"structured_{device}.json")
-    with open(out, "w") as f:
-        json.dump(result, f, indent=2)
-        f.write("\n")
-    print(f"wrote {out}")
+    write_result(out, result)
 
 
 if __name__ == "__main__":
