@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any, AsyncIterator
 
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.requests import Request
 
 from server.errors import APIError, invalid_field
@@ -30,22 +30,17 @@ from server.protocol import (
     reject_unsupported,
 )
 from server.serving_common import (
-    ClientDisconnected,
     Sequence,
     ServingState,
     TokenText,
     build_sampling_params,
     check_context_length,
     child_params,
-    collect,
-    first_then_rest,
-    merge_streams,
     random_id,
-    run_sequence,
+    respond,
     split_position,
-    until_disconnect,
 )
-from server.sse import DONE, SSEResponse, sse_event
+from server.sse import DONE, sse_event
 from server.structured_outputs import structured_output_spec
 from server.tool_calls import (
     ToolCallStream,
@@ -174,28 +169,11 @@ class ChatHandler:
         ]
         state.metrics.prompt_tokens.inc(len(prompt_ids))
         created = int(time.time())
-        if req.stream:
-            events = merge_streams([run_sequence(state, s) for s in seqs])
-            if spec is not None:  # an invalid grammar is a 400, before any header goes out
-                try:
-                    events = await first_then_rest(raw, events)
-                except ClientDisconnected:
-                    release()
-                    return Response(status_code=499)
-                except Exception as e:
-                    release()
-                    raise state.error_for(e, request_id) from None
-            stream = self._stream(req, request_id, created, seqs, top_n, events, tool_ctx)
-            return SSEResponse(stream, on_close=release)
-        try:
-            await until_disconnect(raw, collect(state, seqs))
-        except ClientDisconnected:
-            return Response(status_code=499)
-        except Exception as e:
-            raise state.error_for(e, request_id) from None
-        finally:
-            release()
-        return JSONResponse(self._response(req, request_id, created, seqs, top_n, tool_ctx).model_dump(mode="json"))
+        return await respond(
+            state, raw, request_id, seqs, release, stream=req.stream, guided=spec is not None,
+            sse_stream=lambda events: self._stream(req, request_id, created, seqs, top_n, events, tool_ctx),
+            response=lambda: self._response(req, request_id, created, seqs, top_n, tool_ctx),
+        )
 
     def _response(
         self, req: ChatCompletionRequest, request_id: str, created: int, seqs: list[Sequence], top_n: int,
@@ -217,7 +195,7 @@ class ChatHandler:
 
     async def _stream(
         self, req: ChatCompletionRequest, request_id: str, created: int, seqs: list[Sequence], top_n: int,
-        events: AsyncIterator[tuple[int, Any]] | None = None, tool_ctx: ToolContext | None = None,
+        events: AsyncIterator[tuple[int, Any]], tool_ctx: ToolContext | None = None,
     ) -> AsyncIterator[bytes]:
         state = self.state
         opts = req.stream_options
@@ -240,8 +218,6 @@ class ChatHandler:
         try:
             for s in seqs:
                 yield chunk(s.index, ChatDelta(role="assistant", content=""))
-            if events is None:
-                events = merge_streams([run_sequence(state, s) for s in seqs])
             tool_streams = [ToolCallStream(tool_ctx) for _ in seqs] if tool_ctx is not None else None
             async for i, delta in events:
                 lps = None

@@ -1,7 +1,8 @@
 """What chat and completions share: request -> SamplingParams, the context
 length check, admission (429), fanning a request out into sequences,
-merging their streams, watching for a client that went away, and turning
-engine logprobs into token strings and bytes.
+merging their streams, answering with a stream or a body while watching for
+a client that went away, and turning engine logprobs into token strings and
+bytes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from http import HTTPStatus
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import msgspec
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from starlette.requests import Request
 
 from scheduler.types import SamplingParams, SamplingParamsError, StructuredOutputSpec
@@ -24,6 +27,7 @@ from server.engine_client import EngineDeadError, RequestRejectedError
 from server.errors import APIError, engine_dead, invalid_field, model_not_found
 from server.metrics import SequenceTimer, ServerMetrics
 from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.sse import SSEResponse
 
 T = TypeVar("T")
 logger = logging.getLogger("serval.server")
@@ -333,6 +337,47 @@ async def collect(state: ServingState, seqs: list[Sequence]) -> None:
 
 class ClientDisconnected(Exception):
     pass
+
+
+async def respond(
+    state: ServingState,
+    raw: Request,
+    request_id: str,
+    seqs: list[Sequence],
+    release: Callable[[], None],
+    *,
+    stream: bool,
+    guided: bool,
+    sse_stream: Callable[[AsyncIterator[tuple[int, Any]]], AsyncIterator[bytes]],
+    response: Callable[[], BaseModel],
+) -> Response:
+    """Run the admitted sequences and answer: an SSE stream of
+    `sse_stream(events)`, or the JSON of `response()` once all are done.
+    `release` (admission) is called when the answer is over; a client that
+    goes away first gets 499, a failure its API error. A guided stream waits
+    for its first event, so that a grammar the engine cannot compile is a 400
+    before any header goes out."""
+    if stream:
+        events = merge_streams([run_sequence(state, s) for s in seqs])
+        if guided:
+            try:
+                events = await first_then_rest(raw, events)
+            except ClientDisconnected:
+                release()
+                return Response(status_code=499)
+            except Exception as e:
+                release()
+                raise state.error_for(e, request_id) from None
+        return SSEResponse(sse_stream(events), on_close=release)
+    try:
+        await until_disconnect(raw, collect(state, seqs))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    except Exception as e:
+        raise state.error_for(e, request_id) from None
+    finally:
+        release()
+    return JSONResponse(response().model_dump(mode="json"))
 
 
 async def first_then_rest(request: Request, events: AsyncIterator[T]) -> AsyncIterator[T]:

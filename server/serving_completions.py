@@ -11,7 +11,7 @@ import time
 from typing import Any, AsyncIterator
 
 import msgspec
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.requests import Request
 
 from server.errors import invalid_field
@@ -25,22 +25,17 @@ from server.protocol import (
     reject_unsupported,
 )
 from server.serving_common import (
-    ClientDisconnected,
     Sequence,
     ServingState,
     TokenText,
     build_sampling_params,
     check_context_length,
     child_params,
-    collect,
-    first_then_rest,
-    merge_streams,
     random_id,
-    run_sequence,
+    respond,
     split_position,
-    until_disconnect,
 )
-from server.sse import DONE, SSEResponse, sse_event
+from server.sse import DONE, sse_event
 from server.structured_outputs import structured_output_spec
 
 def normalize_prompts(
@@ -155,27 +150,11 @@ class CompletionHandler:
                 seqs.append(Sequence(index, f"{request_id}-{index}", ids, child_params(p_params, i), prompt=text))
             state.metrics.prompt_tokens.inc(len(ids))
         created = int(time.time())
-        if req.stream:
-            events = merge_streams([run_sequence(state, s) for s in seqs])
-            if params.structured_output is not None:  # an invalid grammar is a 400, before any header goes out
-                try:
-                    events = await first_then_rest(raw, events)
-                except ClientDisconnected:
-                    release()
-                    return Response(status_code=499)
-                except Exception as e:
-                    release()
-                    raise state.error_for(e, request_id) from None
-            return SSEResponse(self._stream(req, request_id, created, seqs, events), on_close=release)
-        try:
-            await until_disconnect(raw, collect(state, seqs))
-        except ClientDisconnected:
-            return Response(status_code=499)
-        except Exception as e:
-            raise state.error_for(e, request_id) from None
-        finally:
-            release()
-        return JSONResponse(self._response(req, request_id, created, seqs).model_dump(mode="json"))
+        return await respond(
+            state, raw, request_id, seqs, release, stream=req.stream, guided=params.structured_output is not None,
+            sse_stream=lambda events: self._stream(req, request_id, created, seqs, events),
+            response=lambda: self._response(req, request_id, created, seqs),
+        )
 
     # -- helpers -------------------------------------------------------------
 
@@ -208,7 +187,7 @@ class CompletionHandler:
         )
 
     async def _stream(self, req: CompletionRequest, request_id: str, created: int,
-                      seqs: list[Sequence], events: AsyncIterator[tuple[int, Any]] | None = None) -> AsyncIterator[bytes]:
+                      seqs: list[Sequence], events: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[bytes]:
         state = self.state
         opts = req.stream_options
         include_usage = opts is not None and opts.include_usage
@@ -223,8 +202,6 @@ class CompletionHandler:
             return sse_event(c, exclude=exclude)
 
         try:
-            if events is None:
-                events = merge_streams([run_sequence(state, s) for s in seqs])
             async for i, delta in events:
                 seq = seqs[i]
                 text = delta.text or ""
