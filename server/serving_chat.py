@@ -26,7 +26,6 @@ from server.protocol import (
     DeltaToolCall,
     FunctionCall,
     ToolCall,
-    UsageInfo,
     reject_unsupported,
 )
 from server.serving_common import (
@@ -39,6 +38,7 @@ from server.serving_common import (
     random_id,
     respond,
     split_position,
+    usage_info,
 )
 from server.sse import DONE, sse_event
 from server.structured_outputs import structured_output_spec
@@ -190,7 +190,8 @@ class ChatHandler:
                 finish_reason=finish_reason_with_tools(s.finish_reason, len(calls)),
             ))
         return ChatCompletionResponse(
-            id=request_id, created=created, model=self.state.served_model_name, choices=choices, usage=_usage(seqs)
+            id=request_id, created=created, model=self.state.served_model_name, choices=choices,
+            usage=usage_info(seqs, req.n),
         )
 
     async def _stream(
@@ -207,7 +208,7 @@ class ChatHandler:
             c = ChatCompletionChunk(
                 id=request_id, created=created, model=state.served_model_name,
                 choices=[ChatStreamChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)],
-                usage=_usage(seqs) if continuous else None,
+                usage=usage_info(seqs, req.n) if continuous else None,
             )
             # {"content": "x"}, not {"role": null, "content": "x"}; no usage key unless asked for
             exclude: dict[str, Any] = {"choices": {0: {"delta": _delta_exclude(delta)}}}
@@ -241,7 +242,7 @@ class ChatHandler:
             if include_usage:
                 yield sse_event(
                     ChatCompletionChunk(id=request_id, created=created, model=state.served_model_name,
-                                        choices=[], usage=_usage(seqs))
+                                        choices=[], usage=usage_info(seqs, req.n))
                 )
         except Exception as e:
             yield sse_event(state.error_for(e, request_id).body())
@@ -278,9 +279,3 @@ def _delta_exclude(delta: ChatDelta) -> dict[str, Any]:
         if fields:
             exclude.setdefault("tool_calls", {})[j] = fields
     return exclude
-
-
-def _usage(seqs: list[Sequence]) -> UsageInfo:
-    prompt = seqs[0].num_prompt_tokens or len(seqs[0].prompt_token_ids)
-    completion = sum(s.num_output_tokens for s in seqs)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)

@@ -26,7 +26,7 @@ from scheduler.types import SamplingParams, SamplingParamsError, StructuredOutpu
 from server.engine_client import EngineDeadError, RequestRejectedError
 from server.errors import APIError, engine_dead, invalid_field, model_not_found
 from server.metrics import SequenceTimer, ServerMetrics
-from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.protocol import ChatCompletionRequest, CompletionRequest, UsageInfo
 from server.sse import SSEResponse
 
 T = TypeVar("T")
@@ -260,6 +260,15 @@ class Sequence:
         self.num_output_tokens = max(self.num_output_tokens, delta.num_output_tokens or len(self.token_ids))
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
+
+
+def usage_info(seqs: list[Sequence], n: int) -> UsageInfo:
+    """Usage of P prompts with n choices each, seqs in prompt order (choice
+    index = p * n + i): each prompt counted once whatever n, every choice's
+    tokens counted."""
+    prompt = sum(s.num_prompt_tokens or len(s.prompt_token_ids) for s in seqs[::n])
+    completion = sum(s.num_output_tokens for s in seqs)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
 async def run_sequence(state: ServingState, seq: Sequence) -> AsyncIterator[Any]:

@@ -21,7 +21,6 @@ from server.protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
-    UsageInfo,
     reject_unsupported,
 )
 from server.serving_common import (
@@ -34,6 +33,7 @@ from server.serving_common import (
     random_id,
     respond,
     split_position,
+    usage_info,
 )
 from server.sse import DONE, sse_event
 from server.structured_outputs import structured_output_spec
@@ -183,7 +183,8 @@ class CompletionHandler:
                 logprobs = _concat(logprobs, gen)
             choices.append(CompletionChoice(index=s.index, text=text, logprobs=logprobs, finish_reason=s.finish_reason))
         return CompletionResponse(
-            id=request_id, created=created, model=self.state.served_model_name, choices=choices, usage=_usage(seqs, req.n)
+            id=request_id, created=created, model=self.state.served_model_name, choices=choices,
+            usage=usage_info(seqs, req.n),
         )
 
     async def _stream(self, req: CompletionRequest, request_id: str, created: int,
@@ -198,7 +199,7 @@ class CompletionHandler:
 
         def chunk(choice: CompletionChoice) -> bytes:
             c = CompletionStreamResponse(id=request_id, created=created, model=state.served_model_name,
-                                         choices=[choice], usage=_usage(seqs, req.n) if continuous else None)
+                                         choices=[choice], usage=usage_info(seqs, req.n) if continuous else None)
             return sse_event(c, exclude=exclude)
 
         try:
@@ -222,7 +223,7 @@ class CompletionHandler:
             if include_usage:
                 yield sse_event(CompletionStreamResponse(id=request_id, created=created,
                                                          model=state.served_model_name, choices=[],
-                                                         usage=_usage(seqs, req.n)))
+                                                         usage=usage_info(seqs, req.n)))
         except Exception as e:
             yield sse_event(state.error_for(e, request_id).body())
         yield DONE
@@ -237,10 +238,3 @@ def _concat(a: CompletionLogprobs | None, b: CompletionLogprobs) -> CompletionLo
         top_logprobs=a.top_logprobs + b.top_logprobs,
         text_offset=a.text_offset + b.text_offset,
     )
-
-
-def _usage(seqs: list[Sequence], n: int) -> UsageInfo:
-    """Each prompt counted once whatever n; every choice's tokens counted."""
-    prompt = sum(s.num_prompt_tokens or len(s.prompt_token_ids) for s in seqs[::n])
-    completion = sum(s.num_output_tokens for s in seqs)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
