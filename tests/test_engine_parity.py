@@ -63,6 +63,12 @@ def hf_greedy(hf, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
     return tokens, logprobs
 
 
+def small_config(path, **overrides) -> EngineConfig:
+    """Block size 4, 16 tokens a step, 8 sequences: chunked prefill, mixed
+    steps and multi-block requests are the common case."""
+    return EngineConfig(model=str(path), block_size=4, max_num_batched_tokens=16, max_num_seqs=8, **overrides)
+
+
 def run_engine(config: EngineConfig, waves: list[list[list[int]]]):
     core, info = build_engine_core(config)
     results = {}
@@ -108,14 +114,7 @@ def check_against_hf(results, refs):
 
 def test_engine_matches_transformers(checkpoint):
     path, refs = checkpoint
-    config = EngineConfig(
-        model=str(path),
-        device="cpu",
-        block_size=4,
-        max_num_batched_tokens=16,
-        max_num_seqs=8,
-        num_gpu_blocks_override=128,
-    )
+    config = small_config(path, device="cpu", num_gpu_blocks_override=128)
     results, core, info = run_engine(config, [PROMPTS, SECOND_WAVE])
     check_against_hf(results, refs)
     assert info.max_model_len == 256 and info.num_blocks == 128
@@ -125,12 +124,9 @@ def test_engine_matches_transformers(checkpoint):
 
 def test_engine_matches_transformers_under_preemption(checkpoint):
     path, refs = checkpoint
-    config = EngineConfig(
-        model=str(path),
+    config = small_config(
+        path,
         device="cpu",
-        block_size=4,
-        max_num_batched_tokens=16,
-        max_num_seqs=8,
         num_gpu_blocks_override=14,  # 56 tokens for ~100 live ones: preemption
         enable_prefix_caching=False,
     )
@@ -147,16 +143,7 @@ def test_engine_matches_transformers_on_cuda(tmp_path):
     path = make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path / "ckpt", seed=1)
     hf = load_hf_model(path).to("cuda")
     refs = {tuple(p): hf_greedy(hf, p) for p in PROMPTS + SECOND_WAVE}
-    config = EngineConfig(
-        model=str(path),
-        device="cuda",
-        dtype="float32",
-        attention_backend="torch",
-        block_size=4,
-        max_num_batched_tokens=16,
-        max_num_seqs=8,
-        num_gpu_blocks_override=20,
-    )
+    config = small_config(path, device="cuda", dtype="float32", attention_backend="torch", num_gpu_blocks_override=20)
     results, core, info = run_engine(config, [PROMPTS, SECOND_WAVE])
     check_against_hf(results, refs)
     assert info.device.startswith("cuda")
