@@ -5,14 +5,12 @@ Also the Triton ops against their torch references."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from models.layers import ops
 from runner.attention import AttentionSpec
-from test_runner import FakeLayer, dense_attention, make_inputs
+from test_runner import FakeLayer, dense_attention, make_inputs, random_paged_kv
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -43,26 +41,10 @@ def make_backend(name: str, heads, block_size: int):
 def paged_case(ctx_lens, q_lens, block_size, heads, seed):
     """Random k/v for every position, the context already in a random-order
     paged cache full of garbage elsewhere, and this step's q/k/v."""
-    num_heads, num_kv_heads, head_dim = heads
-    g = torch.Generator().manual_seed(seed)
-    seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
-    blocks_needed = [math.ceil(s / block_size) for s in seq_lens]
-    num_blocks = sum(blocks_needed) + 5
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    tables, start = [], 0
-    for nb in blocks_needed:
-        tables.append(perm[start : start + nb])
-        start += nb
-    cache = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim, generator=g).to(DTYPE)
-    ks = [torch.randn(s, num_kv_heads, head_dim, generator=g).to(DTYPE) for s in seq_lens]
-    vs = [torch.randn(s, num_kv_heads, head_dim, generator=g).to(DTYPE) for s in seq_lens]
-    qs = [torch.randn(q, num_heads, head_dim, generator=g).to(DTYPE) for q in q_lens]
-    for i, c in enumerate(ctx_lens):
-        for pos in range(c):
-            b = tables[i][pos // block_size]
-            cache[b, 0, pos % block_size] = ks[i][pos]
-            cache[b, 1, pos % block_size] = vs[i][pos]
-    inputs = make_inputs(ctx_lens, q_lens, block_size, tables, max(blocks_needed) + 2, CUDA)
+    tables, cache, qs, ks, vs = random_paged_kv(
+        ctx_lens, q_lens, block_size, *heads, seed=seed, spare_blocks=5, dtype=DTYPE
+    )
+    inputs = make_inputs(ctx_lens, q_lens, block_size, tables, max(map(len, tables)) + 2, CUDA)
     q = torch.cat(qs).to(CUDA)
     k = torch.cat([ks[i][c:] for i, c in enumerate(ctx_lens)]).to(CUDA)
     v = torch.cat([vs[i][c:] for i, c in enumerate(ctx_lens)]).to(CUDA)

@@ -75,30 +75,41 @@ def dense_attention(q, k, v, ctx, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def run_backend_case(
-    ctx_lens, q_lens, block_size, num_heads, num_kv_heads, head_dim, seed=0, gather_tokens=32768, device=CPU
+def random_paged_kv(
+    ctx_lens, q_lens, block_size, num_heads, num_kv_heads, head_dim, *, seed, spare_blocks, dtype=torch.float32
 ):
+    """Random k/v for every position of each request, its context already
+    in a paged cache of random block order and garbage everywhere else (so a
+    wrong gather shows up), and this step's q. Returns (block_tables,
+    kv_cache, qs, ks, vs), all on the CPU; ks[i]/vs[i]: [ctx + q_len, Hkv, D]."""
     g = torch.Generator().manual_seed(seed)
     seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
     blocks_needed = [math.ceil(s / block_size) for s in seq_lens]
-    num_blocks = sum(blocks_needed) + 3
+    num_blocks = sum(blocks_needed) + spare_blocks
     perm = torch.randperm(num_blocks, generator=g).tolist()
     block_tables, start = [], 0
     for nb in blocks_needed:
         block_tables.append(perm[start : start + nb])
         start += nb
-    # garbage everywhere, so a wrong gather shows up
-    kv_cache = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim, generator=g)
-    ks = [torch.randn(s, num_kv_heads, head_dim, generator=g) for s in seq_lens]
-    vs = [torch.randn(s, num_kv_heads, head_dim, generator=g) for s in seq_lens]
-    qs = [torch.randn(q, num_heads, head_dim, generator=g) for q in q_lens]
-    for i, c in enumerate(ctx_lens):  # the context is already in the cache
+    kv_cache = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    ks = [torch.randn(s, num_kv_heads, head_dim, generator=g).to(dtype) for s in seq_lens]
+    vs = [torch.randn(s, num_kv_heads, head_dim, generator=g).to(dtype) for s in seq_lens]
+    qs = [torch.randn(q, num_heads, head_dim, generator=g).to(dtype) for q in q_lens]
+    for i, c in enumerate(ctx_lens):
         for pos in range(c):
             b = block_tables[i][pos // block_size]
             kv_cache[b, 0, pos % block_size] = ks[i][pos]
             kv_cache[b, 1, pos % block_size] = vs[i][pos]
+    return block_tables, kv_cache, qs, ks, vs
 
-    max_blocks = max(blocks_needed) + 2
+
+def run_backend_case(
+    ctx_lens, q_lens, block_size, num_heads, num_kv_heads, head_dim, seed=0, gather_tokens=32768, device=CPU
+):
+    block_tables, kv_cache, qs, ks, vs = random_paged_kv(
+        ctx_lens, q_lens, block_size, num_heads, num_kv_heads, head_dim, seed=seed, spare_blocks=3
+    )
+    max_blocks = max(map(len, block_tables)) + 2
     inputs = make_inputs(ctx_lens, q_lens, block_size, block_tables, max_blocks, device)
     backend = TorchAttentionBackend(device, torch.float32, decode_gather_tokens=gather_tokens)
     meta = backend.build_metadata(inputs)
