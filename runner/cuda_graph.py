@@ -114,14 +114,23 @@ class CudaGraphRunner:
 
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs) -> torch.Tensor:
         """input_ids, positions: [num_reqs] (one token per request) -> hidden [num_reqs, hidden_size]."""
+        return self.launch(self.prepare(input_ids, positions, attn), attn.num_reqs)
+
+    def prepare(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs) -> int:
+        """replay's first half: fill the static buffers and the backend's
+        metadata (every host-to-device copy of the step); returns the bucket."""
         n = attn.num_reqs
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
         buf = self.buffers
         buf.input_ids[:n].copy_(input_ids[:n], non_blocking=True)
         buf.positions[:n].copy_(positions[:n], non_blocking=True)
         self.backend.prepare_for_replay(attn, size)
+        return size
+
+    def launch(self, size: int, num_reqs: int) -> torch.Tensor:
+        """replay's second half: run the bucket's graph -> hidden [num_reqs, hidden_size]."""
         self.graphs[size].replay()
-        return buf.hidden[:n]
+        return self.buffers.hidden[:num_reqs]
 
 
 def _progress(items: list[int], desc: str):

@@ -160,7 +160,9 @@ def build_engine_core(config: EngineConfig) -> tuple[EngineCore, EngineInfo]:
         enable_prefix_caching=config.enable_prefix_caching,
         enable_chunked_prefill=True,
     )
-    core = EngineCore(scheduler_config, runner, num_blocks, grammar_cache=grammar_cache)
+    core = EngineCore(
+        scheduler_config, runner, num_blocks, grammar_cache=grammar_cache, async_scheduling=config.async_scheduling
+    )
     info = EngineInfo(
         model=config.served_model_name or source.name,
         device=str(device),

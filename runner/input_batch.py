@@ -5,7 +5,9 @@ running ones, finished ids). The batch applies it in place:
 - `add_request(NewRequestData)` is the ONE write path into a row, for a new
   request and for one resumed after preemption alike;
 - `update_requests(...)` appends new block ids of running requests;
-- `append_tokens(...)` appends the sampled tokens;
+- `append_tokens(...)` appends the sampled tokens; or, while they are still
+  on the device, `reserve_tokens(...)` appends PLACEHOLDER_TOKEN_ID and
+  `fill_tokens(...)` writes the tokens in when they reach the host;
 - `remove_request(req_id)` frees a row, and `condense()` moves the last rows
   into the holes so rows 0..num_reqs-1 are exactly the live requests.
 
@@ -28,6 +30,9 @@ import torch
 from scheduler.types import Logprob, NewRequestData
 
 logger = logging.getLogger(__name__)
+
+# A token sampled by a step still on the device (see InputBatch.reserve_tokens).
+PLACEHOLDER_TOKEN_ID = -1
 
 
 class CpuGpuBuffer:
@@ -197,6 +202,9 @@ class InputBatch:
         self.num_prompt_tokens = np.zeros(max_num_seqs, dtype=np.int32)
         self.num_tokens = np.zeros(max_num_seqs, dtype=np.int32)  # prompt + outputs so far
         self.num_computed_tokens = np.zeros(max_num_seqs, dtype=np.int32)  # before this step
+        # index of the row's last token in the sampled ids of the step that
+        # sampled it; read only while that token is PLACEHOLDER_TOKEN_ID
+        self.in_flight_index = np.zeros(max_num_seqs, dtype=np.int64)
         self.block_table = BlockTable(max_num_seqs, max_blocks_per_req)
         self.sampling = SamplingColumns.allocate(max_num_seqs)
         # Bumped by every write that adds, removes or moves a row, so that
@@ -305,6 +313,24 @@ class InputBatch:
         self.token_ids[rows, n] = token_ids
         self.num_tokens[rows] = n + 1
 
+    def reserve_tokens(self, rows: np.ndarray) -> np.ndarray:
+        """Append a placeholder to each of `rows` (distinct) for the token it
+        samples this step, row rows[i] getting sampled id number i; return the
+        positions. Counts (num_tokens, outputs) are exact right away, the ids
+        come with fill_tokens.
+        rows=[3, 0], num_tokens=[.., 7 (row 0), .., 9 (row 3)] -> positions [9, 7]"""
+        n = self.num_tokens[rows]
+        self.token_ids[rows, n] = PLACEHOLDER_TOKEN_ID
+        self.num_tokens[rows] = n + 1
+        self.in_flight_index[rows] = np.arange(len(rows))
+        return n
+
+    def fill_tokens(self, rows: np.ndarray, positions: np.ndarray, token_ids: np.ndarray) -> None:
+        """The sampled ids of placeholders reserved at `positions` of `rows`."""
+        if not (self.token_ids[rows, positions] == PLACEHOLDER_TOKEN_ID).all():
+            raise RuntimeError("sampled tokens written over tokens that are not placeholders")
+        self.token_ids[rows, positions] = token_ids
+
     def remove_request(self, req_id: str) -> int | None:
         """Free the request's row (a hole until `condense()`); None if absent."""
         row = self.req_id_to_row.pop(req_id, None)
@@ -340,7 +366,7 @@ class InputBatch:
         self.version += 1
         n = self.num_tokens[src]
         self.token_ids[dst, :n] = self.token_ids[src, :n]
-        for arr in (self.num_prompt_tokens, self.num_tokens, self.num_computed_tokens):
+        for arr in (self.num_prompt_tokens, self.num_tokens, self.num_computed_tokens, self.in_flight_index):
             arr[dst] = arr[src]
         self.block_table.move_row(src, dst)
         self.sampling.move(src, dst)

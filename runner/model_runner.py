@@ -1,11 +1,25 @@
 """ModelRunner: runs one SchedulerOutput on one device.
 
-    execute(sched_out):
+    execute(sched_out) = execute_async(sched_out).result()
+    execute_async(sched_out):
         apply the diff to the persistent batch (drop finished, add new,
         extend cached), prepare the flat inputs with numpy, build the
         backend's attention metadata, run the model inside the forward
-        context, compute logits at the tokens that sample, sample, append
-        the sampled tokens to the batch, return a RunnerOutput.
+        context, compute logits at the tokens that sample, sample, reserve
+        the sampled tokens' places in the batch, start their copy to the
+        host; return the launched step without waiting for the device.
+    step.result():
+        wait for the sampled ids, write them into the batch, return a
+        RunnerOutput.
+
+Async scheduling launches step N before collecting step N-1: a decode whose
+input token N-1 sampled reads it from N-1's sampled ids on the device (the
+batch holds PLACEHOLDER_TOKEN_ID there until N-1 is collected). Every pinned
+host buffer a step copies from is written again only after the previous
+step's copies have run (`inputs_copied`); sampled ids come back through two
+pinned buffers used in turn. Steps that read tokens on the host (grammar
+bitmasks, penalties) are only launched with nothing in flight: the engine
+core decides (scheduler.request.reads_tokens_on_host), the runner checks.
 
 The step's requests are in `num_scheduled_tokens` order; request i owns the
 flat tokens query_start_loc[i]:query_start_loc[i+1].
@@ -13,7 +27,7 @@ flat tokens query_start_loc[i]:query_start_loc[i+1].
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -22,7 +36,7 @@ from torch import nn
 
 from models.forward_context import ForwardContext, forward_context
 from runner.attention import AttentionInputs, RunnerAttentionBackend
-from runner.input_batch import CpuGpuBuffer, InputBatch
+from runner.input_batch import PLACEHOLDER_TOKEN_ID, CpuGpuBuffer, InputBatch
 from runner.sampler import Sampler, SamplingMetadata, make_logprobs
 from runner.structured_output import GrammarMatchers
 from scheduler.types import EMPTY_RUNNER_OUTPUT, Logprob, RunnerOutput, SchedulerOutput
@@ -50,6 +64,32 @@ class StepInputs:
     attn: AttentionInputs
     sample_reqs: np.ndarray  # [num_sampling] indices into req_ids of requests that sample
     logits_indices: torch.Tensor  # [num_sampling] int64, their last flat token
+
+
+@dataclass(eq=False)
+class LaunchedStep:
+    """A step on its way: `result()` waits for its sampled ids (once, in launch order)."""
+
+    runner: "ModelRunner | None"  # None: nothing to wait for, `output` is the result
+    req_ids: list[str] = field(default_factory=list)  # step order
+    sample_reqs: np.ndarray | None = None  # indices into req_ids of the requests that sample
+    sample_rows: np.ndarray | None = None  # [num_sampled] their rows at launch
+    positions: np.ndarray | None = None  # [num_sampled] where each sampled token goes in its row
+    sampled: torch.Tensor | None = None  # [num_sampled] int64, on the device
+    batch_version: int = -1  # InputBatch.version at launch
+    ring_slot: int = 0  # which pinned buffer / event it uses
+    logprobs: list[Logprob | None] | None = None  # one per sampled request
+    prompt_logprobs: dict[str, list[Logprob]] | None = None
+    guided: bool = False  # some sampled request is guided: advance the matchers
+    # requests dropped from the batch since launch (async scheduling): their tokens are not written
+    dropped: set[str] = field(default_factory=set)
+    output: RunnerOutput | None = None
+
+    def result(self) -> RunnerOutput:
+        if self.output is None:
+            assert self.runner is not None
+            self.output = self.runner._collect(self)
+        return self.output
 
 
 class ModelRunner:
@@ -95,95 +135,165 @@ class ModelRunner:
         self.seq_lens = CpuGpuBuffer(max_num_seqs, dtype=torch.int32, device=device)
         # flat: a step's [num_reqs, num_cols] table is one contiguous prefix (see _prepare_inputs)
         self.block_table = CpuGpuBuffer(max_num_seqs * self.max_blocks_per_req, dtype=torch.int32, device=device)
+        self.logits_indices = CpuGpuBuffer(max_num_seqs, dtype=torch.int64, device=device)
+        # decodes whose input token is in flight: flat token index <- index in the previous step's sampled ids
+        self.gather_dst = CpuGpuBuffer(max_num_seqs, dtype=torch.int64, device=device)
+        self.gather_src = CpuGpuBuffer(max_num_seqs, dtype=torch.int64, device=device)
         self.num_computed_tokens_cpu = torch.zeros(max_num_seqs, dtype=torch.int32)
         self.arange = np.arange(max(max_num_batched_tokens, max_num_seqs) + 1, dtype=np.int64)
-        # The step's one host sync: sampled ids land here, then the host waits
-        # on step_done. Pinned host buffers reused next step rely on it.
-        self.sampled_ids_cpu = torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=device.type == "cuda")
-        self.step_done = torch.cuda.Event() if device.type == "cuda" else None
+        cuda = device.type == "cuda"
+        # Recorded once a step's host-to-device input copies are enqueued (before
+        # its forward): the next step waits for it before rewriting the pinned buffers.
+        self.inputs_copied = torch.cuda.Event() if cuda else None
+        # Sampled ids come back through ring slot k's pinned buffer, then step_done[k]
+        # fires; two slots: step N+1 launches before step N is collected.
+        self.sampled_ids_cpu = [torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+        self.step_done = [torch.cuda.Event() for _ in range(2)] if cuda else None
+        self._ring_owner: list[LaunchedStep | None] = [None, None]
+        self._next_slot = 0
+        # the step launched last, until collected: its sampled ids feed the next step's decodes
+        self._in_flight: LaunchedStep | None = None
 
     # ------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
+        return self.execute_async(sched_out).result()
+
+    @torch.inference_mode()
+    def execute_async(self, sched_out: SchedulerOutput) -> LaunchedStep:
+        """Launch one step; see the module docstring. At most one launched
+        step may be uncollected when this is called."""
+        if self.inputs_copied is not None:
+            self.inputs_copied.synchronize()  # the previous step's pinned input buffers are free again
         self._update_batch(sched_out)
         if sched_out.total_num_scheduled_tokens == 0:
-            return EMPTY_RUNNER_OUTPUT
+            return LaunchedStep(None, output=EMPTY_RUNNER_OUTPUT)
 
         step = self._prepare_inputs(sched_out.num_scheduled_tokens)
         hidden = self._forward(step)  # [num_tokens, hidden]
+        launched = LaunchedStep(self, req_ids=step.req_ids, sample_reqs=step.sample_reqs)
 
         # guided rows' token bitmasks, filled on the CPU while the device runs the forward
         guided = None
         if self.grammar_matchers:  # some running request is guided
+            if self._in_flight is not None:
+                raise RuntimeError("guided decoding needs every earlier token on the host: no step may be in flight")
             sample_req_ids = [step.req_ids[i] for i in step.sample_reqs.tolist()]
             guided = self.grammar_matchers.fill_bitmask(sample_req_ids)
+            launched.guided = guided is not None
 
-        prompt_logprobs = self._prompt_logprobs(hidden, step)
+        launched.prompt_logprobs = self._prompt_logprobs(hidden, step)
         sample_rows = step.rows[step.sample_reqs]
-        sampled: list[int] = []
-        logprobs = None
         if sample_rows.size:
             logits = self.model.compute_logits(hidden[step.logits_indices])  # [num_sampling, vocab]
             meta = SamplingMetadata.from_batch(self.batch, sample_rows)
             if guided is not None:
                 meta.bitmask_rows, meta.token_bitmask = guided
             out = self.sampler(logits, meta)
-            sampled = self._to_host(out.sampled_token_ids)
-            self.batch.append_tokens(sample_rows, np.array(sampled, dtype=np.int32))
-            if guided is not None:
-                self.grammar_matchers.accept(sample_req_ids, sampled)
-            if out.logprobs is not None:
-                if len(sampled) == len(step.req_ids):  # every request samples (decode steps)
-                    logprobs = out.logprobs
-                else:
-                    logprobs = [None] * len(step.req_ids)
-                    for i, lp in zip(step.sample_reqs.tolist(), out.logprobs):
-                        logprobs[i] = lp
-        else:
-            self._to_host(None)  # nothing sampled: still wait for the step's device work
+            launched.sampled = out.sampled_token_ids
+            launched.logprobs = out.logprobs
+            launched.sample_rows = sample_rows
+            launched.positions = self.batch.reserve_tokens(sample_rows)
+        launched.batch_version = self.batch.version
+        self._start_copy_to_host(launched)
+        self._in_flight = launched
+        return launched
 
-        if len(sampled) == len(step.req_ids):
+    def _start_copy_to_host(self, launched: LaunchedStep) -> None:
+        """Take a ring slot; on CUDA, copy the sampled ids into its pinned
+        buffer and record its event (also when nothing was sampled: the
+        event then marks the end of the step's device work)."""
+        slot = self._next_slot
+        owner = self._ring_owner[slot]
+        if owner is not None and owner.output is None:
+            raise RuntimeError("a step was launched while two earlier steps were not collected")
+        self._ring_owner[slot] = launched
+        self._next_slot = 1 - slot
+        launched.ring_slot = slot
+        if self.step_done is None:
+            return
+        if launched.sampled is not None:
+            n = launched.sampled.shape[0]
+            self.sampled_ids_cpu[slot][:n].copy_(launched.sampled, non_blocking=True)
+        self.step_done[slot].record()
+
+    def _wait_sampled(self, launched: LaunchedStep) -> list[int]:
+        """The step's sampled ids on the host; on CUDA this waits for the step's device work."""
+        if self.step_done is None:
+            return [] if launched.sampled is None else launched.sampled.tolist()
+        self.step_done[launched.ring_slot].synchronize()
+        n = 0 if launched.sampled is None else launched.sampled.shape[0]
+        return self.sampled_ids_cpu[launched.ring_slot][:n].tolist()
+
+    def _collect(self, launched: LaunchedStep) -> RunnerOutput:
+        """LaunchedStep.result(): the sampled ids into the batch (where their
+        requests still are) and the matchers, then the RunnerOutput."""
+        if self._in_flight is launched:
+            self._in_flight = None
+        sampled = self._wait_sampled(launched)
+        req_ids, sample_reqs = launched.req_ids, launched.sample_reqs
+        if sampled:
+            self._fill_sampled(launched, sampled)
+            if launched.guided:
+                self.grammar_matchers.accept([req_ids[i] for i in sample_reqs.tolist()], sampled)
+
+        logprobs = launched.logprobs
+        if len(sampled) == len(req_ids):  # every request samples (decode steps)
             sampled_token_ids = [[token_id] for token_id in sampled]
         else:
-            sampled_token_ids = [[] for _ in step.req_ids]
-            for i, token_id in zip(step.sample_reqs.tolist(), sampled):
+            sampled_token_ids = [[] for _ in req_ids]
+            for i, token_id in zip(sample_reqs.tolist(), sampled):
                 sampled_token_ids[i] = [token_id]
+            if logprobs is not None:
+                logprobs = [None] * len(req_ids)
+                for i, lp in zip(sample_reqs.tolist(), launched.logprobs):
+                    logprobs[i] = lp
         return RunnerOutput(
-            req_ids=step.req_ids,
+            req_ids=req_ids,
             sampled_token_ids=sampled_token_ids,
             logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=launched.prompt_logprobs,
         )
+
+    def _fill_sampled(self, launched: LaunchedStep, sampled: list[int]) -> None:
+        batch = self.batch
+        rows, positions = launched.sample_rows, launched.positions
+        tokens = np.array(sampled, dtype=np.int32)
+        if batch.version != launched.batch_version:
+            # rows moved or requests left since launch (the next step was launched): find them by id
+            ids = [launched.req_ids[i] for i in launched.sample_reqs.tolist()]
+            keep = [k for k, req_id in enumerate(ids) if req_id not in launched.dropped]
+            rows = np.fromiter((batch.req_id_to_row[ids[k]] for k in keep), dtype=np.int64, count=len(keep))
+            positions, tokens = positions[keep], tokens[keep]
+        batch.fill_tokens(rows, positions, tokens)
 
     def _forward(self, step: StepInputs) -> torch.Tensor:
         """The one place that picks CUDA-graph replay (decode-only steps that
-        fit a captured batch size) or an eager forward."""
+        fit a captured batch size) or an eager forward. `inputs_copied` is
+        recorded after the step's last host-to-device copy, before its kernels."""
         if self.graph_runner is not None and self.graph_runner.can_replay(step.attn):
-            return self.graph_runner.replay(step.input_ids, step.positions, step.attn)
+            size = self.graph_runner.prepare(step.input_ids, step.positions, step.attn)
+            self._mark_inputs_copied()
+            return self.graph_runner.launch(size, step.attn.num_reqs)
         meta = self.backend.build_metadata(step.attn)
+        self._mark_inputs_copied()
         with forward_context(ForwardContext(self.backend, meta, self.kv_caches)):
             return self.model(step.input_ids, step.positions)
 
-    def _to_host(self, token_ids: torch.Tensor | None) -> list[int]:
-        """Sampled ids [n] -> list, through pinned memory; on CUDA this waits
-        for the step's device work (also when nothing was sampled: None)."""
-        if self.step_done is None:
-            return [] if token_ids is None else token_ids.tolist()
-        n = 0 if token_ids is None else token_ids.shape[0]
-        if n:
-            self.sampled_ids_cpu[:n].copy_(token_ids, non_blocking=True)
-        self.step_done.record()
-        self.step_done.synchronize()
-        return self.sampled_ids_cpu[:n].tolist()
+    def _mark_inputs_copied(self) -> None:
+        if self.inputs_copied is not None:
+            self.inputs_copied.record()
 
     # ------------------------------------------------------------------
     def _update_batch(self, sched_out: SchedulerOutput) -> None:
         batch = self.batch
         grammar_matchers = self.grammar_matchers
+        in_flight = self._in_flight
         for req_id in sched_out.finished_req_ids:
             batch.remove_request(req_id)  # unknown ids are ignored
             if grammar_matchers is not None:
                 grammar_matchers.remove_request(req_id)
+            if in_flight is not None:
+                in_flight.dropped.add(req_id)  # its token in flight is not written into the batch
         for req in sched_out.scheduled_new_reqs:
             batch.add_request(req)
             if grammar_matchers is not None:
@@ -217,7 +327,10 @@ class ModelRunner:
         positions = self.positions.np[:num_tokens]
         np.add(num_computed[req_indices], offsets, out=positions)
         token_rows = rows[req_indices]
-        self.input_ids.np[:num_tokens] = batch.token_ids[token_rows, positions]
+        input_ids_np = self.input_ids.np[:num_tokens]
+        input_ids_np[:] = batch.token_ids[token_rows, positions]
+        # tokens sampled by the step in flight (async scheduling): only on the device
+        in_flight = np.flatnonzero(input_ids_np == PLACEHOLDER_TOKEN_ID)
         # slot = block_table[pos // block_size] * block_size + pos % block_size
         # block_size=4, blocks=[7, 2], pos=5 -> 2 * 4 + 1 = 9
         bs = self.block_size
@@ -244,7 +357,12 @@ class ModelRunner:
         # A request samples iff this step reaches its last token (partial
         # prefill chunks do not): logits at its last flat token.
         sample_reqs = np.flatnonzero(seq_lens == batch.num_tokens[rows])
-        logits_indices = torch.from_numpy(cu_num_scheduled[sample_reqs] - 1).to(self.device)
+        num_sampling = sample_reqs.size
+        np.subtract(cu_num_scheduled[sample_reqs], 1, out=self.logits_indices.np[:num_sampling])
+        logits_indices = self.logits_indices.copy_to_gpu(num_sampling)
+        input_ids = self.input_ids.copy_to_gpu(num_tokens)
+        if in_flight.size:
+            self._gather_in_flight(input_ids, in_flight, batch.in_flight_index[token_rows[in_flight]])
 
         attn = AttentionInputs(
             num_reqs=num_reqs,
@@ -265,12 +383,24 @@ class ModelRunner:
             req_ids=req_ids,
             rows=rows,
             num_scheduled=num_scheduled,
-            input_ids=self.input_ids.copy_to_gpu(num_tokens),
+            input_ids=input_ids,
             positions=self.positions.copy_to_gpu(num_tokens),
             attn=attn,
             sample_reqs=sample_reqs,
             logits_indices=logits_indices,
         )
+
+    def _gather_in_flight(self, input_ids: torch.Tensor, flat: np.ndarray, src: np.ndarray) -> None:
+        """input_ids[flat[i]] = (the step in flight's sampled ids)[src[i]], on the device.
+        flat=[0, 2], src=[1, 0], in-flight sampled ids [7, 9] -> input_ids [9, x, 7, ...]"""
+        in_flight = self._in_flight
+        if in_flight is None or in_flight.sampled is None:
+            raise RuntimeError("an input token is neither on the host nor sampled by the step in flight")
+        n = flat.size
+        self.gather_dst.np[:n] = flat
+        self.gather_src.np[:n] = src
+        dst = self.gather_dst.copy_to_gpu(n)
+        input_ids.index_copy_(0, dst, in_flight.sampled.index_select(0, self.gather_src.copy_to_gpu(n)))
 
     def _prompt_logprobs(self, hidden: torch.Tensor, step: StepInputs) -> dict[str, list[Logprob]] | None:
         """Logprobs of the prompt tokens this step's chunks predict, from the

@@ -190,6 +190,8 @@ class Sampler:
         token_ids = meta.token_ids()
         cols = np.arange(token_ids.shape[1])[None, :]
         valid = cols < meta.num_tokens[:, None]
+        if ((token_ids < 0) & valid).any():  # PLACEHOLDER_TOKEN_ID: sampled by a step still in flight
+            raise RuntimeError("penalties need every earlier token on the host: no step may be in flight")
         # token ids, with positions past a row's length sent to a spill column
         # `vocab` that is dropped: num_tokens=[2], ids=[[5, 7, 0]] -> [[5, 7, V]]
         ids = np.where(valid & (token_ids < vocab), token_ids, vocab).astype(np.int64)

@@ -4,7 +4,7 @@ process boundary."""
 
 from scheduler.block_manager import BlockManager
 from scheduler.config import ConfigError, EngineConfig, SchedulerConfig
-from scheduler.engine_core import EngineCore, InprocClient, ModelRunnerProtocol
+from scheduler.engine_core import AsyncModelRunnerProtocol, EngineCore, InprocClient, ModelRunnerProtocol
 from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import Scheduler
 from scheduler.types import (
@@ -42,6 +42,7 @@ __all__ = [
     "Logprob",
     "MAX_LOGPROBS",
     "ModelRunnerProtocol",
+    "AsyncModelRunnerProtocol",
     "NewRequestData",
     "Request",
     "RequestStatus",

@@ -9,6 +9,17 @@ The ZMQ engine-core process wraps one `EngineCore` and calls
 `has_unfinished_requests()`. `InprocClient` gives the same surface inside one
 process (offline `LLM` API, tests).
 
+With async scheduling (`--async-scheduling`) the loop keeps one step in
+flight, so the host work of step N overlaps the device work of step N-1:
+
+    out_N = scheduler.schedule()        # N-1's tokens are placeholders here
+    handle_N = runner.execute_async(out_N)
+    outputs = scheduler.update_from_output(out_N-1, handle_N-1.result())
+
+and each `step()` returns the outputs of the step before. While a live
+request reads its tokens on the host (guided decoding, penalties:
+Scheduler.can_schedule_ahead), steps run synchronously, the pipeline drained.
+
 A guided request (structured output) waits outside the scheduler until its
 grammar is compiled on a worker thread (scheduler.structured_output); an
 invalid grammar becomes an ERROR output without ever being scheduled.
@@ -41,6 +52,23 @@ class ModelRunnerProtocol(Protocol):
     ids) before adding `scheduled_new_reqs`."""
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput: ...
+
+
+class RunnerStep(Protocol):
+    """A launched runner step; result() waits for its sampled tokens."""
+
+    def result(self) -> RunnerOutput: ...
+
+
+@runtime_checkable
+class AsyncModelRunnerProtocol(ModelRunnerProtocol, Protocol):
+    """A runner that can launch a step before the previous step's result is
+    collected. execute_async(N) may be called before step N-1's result();
+    the input of a decode whose previous token is still in flight comes from
+    step N-1's sampled ids on the device. Each step's result() is called
+    once, in launch order; execute(so) is execute_async(so).result()."""
+
+    def execute_async(self, scheduler_output: SchedulerOutput) -> RunnerStep: ...
 
 
 # Allocations between young-generation collections (Python's default: 700).
@@ -77,6 +105,8 @@ class EngineCore:
     grammar_cache: compiles the grammars of guided requests (the runner side
     builds it around its grammar backend, and reads compiled grammars from
     it); None: guided requests are rejected.
+    async_scheduling: keep one step in flight (see the module docstring);
+    the runner must offer execute_async.
     """
 
     def __init__(
@@ -85,9 +115,15 @@ class EngineCore:
         runner: ModelRunnerProtocol,
         num_blocks: int,
         grammar_cache: GrammarCache | None = None,
+        async_scheduling: bool = False,
     ) -> None:
+        if async_scheduling and not isinstance(runner, AsyncModelRunnerProtocol):
+            raise ValueError(f"--async-scheduling: the runner {type(runner).__name__} has no execute_async")
         self.scheduler = Scheduler(scheduler_config, num_blocks)
         self.runner = runner
+        self.async_scheduling = async_scheduling
+        # async scheduling: the step launched last, its result not applied yet
+        self._in_flight: tuple[SchedulerOutput, RunnerStep | None] | None = None
         self.guided = GuidedRequests(grammar_cache) if grammar_cache is not None else None
         self._early_outputs: list[EngineCoreOutput] = []  # aborts of held guided requests
 
@@ -135,12 +171,15 @@ class EngineCore:
         self._early_outputs = []
         if self.guided is not None and len(self.guided):
             early.extend(self._admit_guided())
-        scheduler_output = self.scheduler.schedule()
-        if scheduler_output.total_num_scheduled_tokens > 0:
-            runner_output = self.runner.execute(scheduler_output)
+        if self.async_scheduling:
+            outputs = self._step_pipelined()
         else:
-            runner_output = EMPTY_RUNNER_OUTPUT  # only abort notices come out
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+            scheduler_output = self.scheduler.schedule()
+            if scheduler_output.total_num_scheduled_tokens > 0:
+                runner_output = self.runner.execute(scheduler_output)
+            else:
+                runner_output = EMPTY_RUNNER_OUTPUT  # only abort notices come out
+            outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if early:
             outputs = early + outputs
         return EngineCoreOutputs(
@@ -149,9 +188,38 @@ class EngineCore:
             timestamp=time.time(),
         )
 
+    def _step_pipelined(self) -> list[EngineCoreOutput]:
+        """Schedule and launch step N, then apply step N-1 (launched by the
+        previous call) while N runs. Synchronous (N applied before returning,
+        nothing left in flight) when the scheduler cannot schedule ahead or
+        nothing was scheduled."""
+        scheduler = self.scheduler
+        sync = not scheduler.can_schedule_ahead()
+        outputs: list[EngineCoreOutput] = []
+        if sync and self._in_flight is not None:
+            outputs += self._apply_in_flight()  # drain: step N needs N-1's tokens on the host
+        scheduler_output = scheduler.schedule()
+        handle = None
+        if scheduler_output.total_num_scheduled_tokens > 0:
+            handle = self.runner.execute_async(scheduler_output)  # type: ignore[attr-defined]
+        if self._in_flight is not None:
+            outputs += self._apply_in_flight()  # step N-1, while step N runs
+        self._in_flight = (scheduler_output, handle)
+        if sync or handle is None:
+            outputs += self._apply_in_flight()
+        return outputs
+
+    def _apply_in_flight(self) -> list[EngineCoreOutput]:
+        assert self._in_flight is not None
+        scheduler_output, handle = self._in_flight
+        self._in_flight = None
+        runner_output = handle.result() if handle is not None else EMPTY_RUNNER_OUTPUT
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
     def has_unfinished_requests(self) -> bool:
         return (
-            self.scheduler.has_unfinished_requests()
+            self._in_flight is not None
+            or self.scheduler.has_unfinished_requests()
             or bool(self._early_outputs)
             or (self.guided is not None and len(self.guided) > 0)
         )

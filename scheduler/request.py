@@ -7,6 +7,11 @@ step iff that step brings `num_computed_tokens` up to `num_tokens`.
 
     prompt=[5, 6, 7], outputs=[9]  ->  all_token_ids=[5, 6, 7, 9], num_tokens=4
     after the step that decodes 9: num_computed_tokens=4 -> samples token #2
+
+With async scheduling a step is scheduled before the previous one's sampled
+token is known: `num_output_placeholders` counts the tokens sampled by
+scheduled steps and not yet appended, so the request's length as the runner
+sees it is `num_tokens + num_output_placeholders`.
 """
 
 from __future__ import annotations
@@ -31,6 +36,23 @@ class RequestStatus(enum.IntEnum):
     @property
     def finish_reason(self) -> FinishReason | None:
         return _FINISH_REASONS.get(self)
+
+
+def reads_tokens_on_host(params: SamplingParams) -> bool:
+    """True when sampling this request's next token reads its earlier tokens
+    on the host, so no step may be scheduled while one of its tokens is still
+    on the device (async scheduling falls back to a synchronous step):
+    guided decoding (the grammar matcher must have accepted every token before
+    the next bitmask), and the repetition / frequency / presence penalties
+    (the sampler counts the batch's token ids on the host). The one place that
+    decides it; everything else the sampler reads (token counts for
+    min_tokens and seeds, logit_bias) is known ahead."""
+    return (
+        params.structured_output is not None
+        or params.repetition_penalty != 1.0
+        or params.frequency_penalty != 0.0
+        or params.presence_penalty != 0.0
+    )
 
 
 _NO_LIMIT = 1 << 62
@@ -72,6 +94,8 @@ class Request:
         "num_preemptions",
         "max_output_tokens",
         "stop_token_ids",
+        "num_output_placeholders",
+        "reads_tokens_on_host",
     )
 
     def __init__(
@@ -109,6 +133,9 @@ class Request:
         self.max_output_tokens: int = limit if limit is not None else _NO_LIMIT
         stop = sampling_params.stop_token_ids
         self.stop_token_ids = frozenset(stop) if stop else _NO_STOP_TOKENS
+        # tokens sampled by scheduled steps whose results are not applied yet (0 or 1)
+        self.num_output_placeholders = 0
+        self.reads_tokens_on_host = reads_tokens_on_host(sampling_params)
 
     @classmethod
     def from_engine_core_request(cls, request: EngineCoreRequest, max_model_len: int | None = None) -> Request:

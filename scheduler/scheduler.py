@@ -21,13 +21,26 @@ Example, max_num_batched_tokens=8, running=[A decoding], waiting=[B 20-token pro
 newly computed full blocks in the prefix cache, frees finished requests and
 returns one `EngineCoreOutput` per request that produced something (plus one
 per abort since the last update).
+
+Async scheduling (EngineCore with async_scheduling=True) calls schedule() for
+step N before update_from_output() of step N-1: each schedule() is paired
+with one update_from_output(), in order. A request sampling in step N-1 holds
+a placeholder for its unknown token (`Request.num_output_placeholders`), so
+step N schedules its next decode anyway:
+    schedule(N-1): A computes position 9, samples   -> placeholders=1
+    schedule(N):   A computes position 10 (the unknown token's), samples -> 2
+    update(N-1):   A's token #10 appended           -> placeholders=1
+If update(N-1) finishes A (EOS, stop token), the token step N samples for it
+is dropped by update(N); a request whose in-flight token is its max_tokens-th
+is not scheduled again. Blocks are registered in the prefix cache only up to
+what each step computed, when that step's update runs.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
@@ -44,6 +57,22 @@ from scheduler.types import (
 )
 
 _RUNNING = RequestStatus.RUNNING
+_PREEMPTED = RequestStatus.PREEMPTED
+_FINISHED = RequestStatus.FINISHED_STOPPED  # this status and the ones above
+
+
+class _ScheduledStep(NamedTuple):
+    """What update_from_output needs from its schedule().
+
+    sampling: the requests that sample in the step, by id; a sampled token is
+    applied to this very Request (never to a later request reusing the id).
+    to_cache: (request, num_computed_tokens after the step) for requests
+    whose step fills a block, registered once the step has run.
+    """
+
+    output: SchedulerOutput
+    sampling: dict[str, Request]
+    to_cache: list[tuple[Request, int]]
 
 
 class Scheduler:
@@ -72,9 +101,11 @@ class Scheduler:
         # ids the runner holds and must drop before the next step
         self.finished_req_ids: set[str] = set()
         self._pending_outputs: list[EngineCoreOutput] = []  # abort notices
-        # requests whose step fills a block: cached once the runner has run
-        self._to_cache: list[Request] = []
+        # scheduled steps not yet updated, oldest first (2 at most, with async scheduling)
+        self._steps: deque[_ScheduledStep] = deque()
         self.num_preemptions_total = 0
+        # live requests for which reads_tokens_on_host() holds
+        self.num_host_token_reqs = 0
 
     # ------------------------------------------------------------------ requests
 
@@ -85,6 +116,7 @@ class Scheduler:
         req = Request.from_engine_core_request(request, self.max_model_len)
         self.requests[req.req_id] = req
         self.waiting.append(req)
+        self.num_host_token_reqs += req.reads_tokens_on_host
 
     def check_request(self, request: EngineCoreRequest) -> None:
         """Raise the ValueError add_request would raise, without queueing it."""
@@ -114,6 +146,7 @@ class Scheduler:
             req = self.requests.pop(req_id, None)
             if req is None:
                 continue
+            self.num_host_token_reqs -= req.reads_tokens_on_host
             if req.status == _RUNNING:
                 left_running = True
                 self.finished_req_ids.add(req_id)
@@ -139,6 +172,12 @@ class Scheduler:
         """True while requests are live or abort notices wait to be sent."""
         return bool(self.requests) or bool(self._pending_outputs)
 
+    def can_schedule_ahead(self) -> bool:
+        """Whether the next step may be scheduled while the previous one's
+        sampled tokens are unknown: not while any live request reads its
+        tokens on the host (see request.reads_tokens_on_host)."""
+        return self.num_host_token_reqs == 0
+
     def reset_prefix_cache(self) -> None:
         self.block_manager.reset_prefix_cache()
 
@@ -163,7 +202,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         block_manager = self.block_manager
         num_scheduled: dict[str, int] = {}
-        to_cache: list[Request] = []
+        to_cache: list[tuple[Request, int]] = []
+        sampling: dict[str, Request] = {}
         caching = self.block_manager.enable_caching
         cached_ids: list[str] = []
         cached_new_blocks: list[list[int]] = []
@@ -179,7 +219,11 @@ class Scheduler:
             req = running[i]
             i += 1
             num_computed = req.num_computed_tokens
-            num_new = len(req.all_token_ids) - num_computed
+            placeholders = req.num_output_placeholders
+            if placeholders and len(req.output_token_ids) + placeholders >= req.max_output_tokens:
+                continue  # its token in flight is its last (max_tokens / max_model_len)
+            num_tokens = len(req.all_token_ids) + placeholders
+            num_new = num_tokens - num_computed
             if num_new > budget:
                 if not self.chunked_prefill:
                     continue
@@ -204,8 +248,11 @@ class Scheduler:
             num_scheduled[req_id] = num_new
             num_computed += num_new
             req.num_computed_tokens = num_computed
+            if num_computed == num_tokens:
+                req.num_output_placeholders = placeholders + 1
+                sampling[req_id] = req
             if caching and num_computed // bs > req.num_hashed_blocks:
-                to_cache.append(req)
+                to_cache.append((req, num_computed))
             budget -= num_new
 
         # 2. admit waiting requests, FIFO
@@ -214,6 +261,7 @@ class Scheduler:
             now = None
             while waiting and budget > 0 and len(running) < self.max_num_seqs:
                 req = waiting[0]
+                assert not req.num_output_placeholders, "a waiting request with a token in flight"
                 if req.sampling_params.prompt_logprobs is None:
                     computed_blocks, num_computed = block_manager.get_computed_blocks(req)
                 else:  # prompt logprobs need logits at every prompt position: compute them all
@@ -233,8 +281,11 @@ class Scheduler:
                 req.status = _RUNNING
                 req.num_computed_tokens = num_computed + num_new
                 running.append(req)
+                if req.num_computed_tokens == len(req.all_token_ids):
+                    req.num_output_placeholders = 1
+                    sampling[req.req_id] = req
                 if caching and req.num_computed_tokens // bs > req.num_hashed_blocks:
-                    to_cache.append(req)
+                    to_cache.append((req, req.num_computed_tokens))
                 num_scheduled[req.req_id] = num_new
                 new_reqs.append(
                     NewRequestData(
@@ -255,14 +306,15 @@ class Scheduler:
             self.finished_req_ids = set()
         else:
             finished = set(finished)
-        self._to_cache = to_cache
-        return SchedulerOutput(
+        output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=CachedRequestData(cached_ids, cached_new_blocks, cached_computed),
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=total,
             finished_req_ids=finished,
         )
+        self._steps.append(_ScheduledStep(output, sampling, to_cache))
+        return output
 
     # ------------------------------------------------------------------ update
 
@@ -276,16 +328,23 @@ class Scheduler:
         (LENGTH), max_model_len (LENGTH). A stop token or EOS only counts
         once at least min_tokens tokens precede it (as the sampler masks them
         for the first min_tokens positions).
+
+        `scheduler_output` must be the oldest scheduled step not yet updated.
         """
+        if not self._steps or self._steps[0].output is not scheduler_output:
+            raise RuntimeError("update_from_output() must follow schedule() in order, once per step")
+        step = self._steps.popleft()
         outputs = self._pending_outputs
         self._pending_outputs = []
         block_manager = self.block_manager
 
         # Register the blocks this step filled, before any of them is freed.
-        for req in self._to_cache:
+        for req, num_computed in step.to_cache:
             if req.status == _RUNNING:
-                block_manager.cache_full_blocks(req, req.num_computed_tokens)
-        self._to_cache = []
+                block_manager.cache_full_blocks(req, num_computed)
+        sampling = step.sampling
+        for req in sampling.values():
+            req.num_output_placeholders -= 1
 
         requests = self.requests
         sampled = runner_output.sampled_token_ids
@@ -297,9 +356,11 @@ class Scheduler:
             new_token_ids = sampled[i]
             if not new_token_ids:
                 continue  # partial prefill chunk
-            req = requests.get(req_id)
-            if req is None or req.status != _RUNNING:
-                continue  # aborted after it was scheduled
+            req = sampling.get(req_id)
+            status = req.status if req is not None else _FINISHED
+            if status >= _FINISHED:
+                continue  # aborted, or finished by the step before (async scheduling): dropped
+            # PREEMPTED: async scheduling preempted it while this token was in flight
             output_token_ids = req.output_token_ids
             first = not output_token_ids
             if len(new_token_ids) == 1:  # the common case, inlined
@@ -332,7 +393,10 @@ class Scheduler:
                 out.stop_reason = req.stop_reason
                 block_manager.free(req)
                 del requests[req_id]
+                self.num_host_token_reqs -= req.reads_tokens_on_host
                 self.finished_req_ids.add(req_id)
+                if status == _PREEMPTED:
+                    self.waiting.remove(req)
                 any_finished = True
             outputs.append(out)
 

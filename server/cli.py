@@ -87,6 +87,8 @@ def add_serve_parser(subparsers: Any) -> None:
                    help="GPU: fraction of GPU memory Serval may use")
     e.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     e.add_argument("--enforce-eager", action="store_true", help="GPU: no CUDA graphs")
+    e.add_argument("--async-scheduling", action="store_true",
+                   help="schedule the next step while the current one runs on the device")
 
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all interfaces)")
@@ -121,6 +123,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory_gb=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         seed=args.seed,
     )
 

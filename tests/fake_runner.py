@@ -16,6 +16,11 @@ It behaves like a real runner where the scheduler can tell:
   chunking, preemption or caching, and `reference_generate` gives the tokens
   a request must produce when run alone.
 A partial prefill chunk samples nothing (empty token list).
+
+`execute_async(so)` (async scheduling) computes the step at once and returns
+a handle whose `result()` gives its RunnerOutput; it checks that results are
+collected once each, in launch order, and counts how many steps were in
+flight at once (`max_in_flight`).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
+
+from scheduler.request import reads_tokens_on_host
 
 from scheduler.types import (
     EngineCoreRequest,
@@ -98,6 +105,8 @@ class FakeRunner:
         self.block_users: dict[int, set[str]] = {}
         self.computed: dict[str, list[int]] = {}
         self.history: list[SchedulerOutput] = []
+        self._launched: list[_FakeStep] = []  # steps whose result() is not collected yet
+        self.max_in_flight = 0
 
     # ------------------------------------------------------------------ batch
 
@@ -193,6 +202,29 @@ class FakeRunner:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs or None,
         )
+
+
+    def execute_async(self, so: SchedulerOutput) -> "_FakeStep":
+        step = _FakeStep(self, self.execute(so))
+        if self._launched:  # launched ahead: no request in the batch may read its tokens on the host
+            reads = [r for r, st in self.reqs.items() if reads_tokens_on_host(st.sampling_params)]
+            assert not reads, f"{reads} read their tokens on the host, yet a step was launched ahead"
+        self._launched.append(step)
+        self.max_in_flight = max(self.max_in_flight, len(self._launched))
+        assert len(self._launched) <= 2, "more than one step launched ahead"
+        return step
+
+
+class _FakeStep:
+    def __init__(self, runner: FakeRunner, output: RunnerOutput) -> None:
+        self.runner = runner
+        self.output = output
+
+    def result(self) -> RunnerOutput:
+        launched = self.runner._launched
+        assert launched and launched[0] is self, "results collected out of launch order, or twice"
+        launched.pop(0)
+        return self.output
 
 
 # ---------------------------------------------------------------------- drivers
