@@ -10,7 +10,8 @@
 # Stages: smoke, tests, structured (bench_structured.py on the GPU), bench-small (Llama-3.1-8B batch 1 + HF baseline,
 # Qwen3-0.6B 256 requests), bench-diag (the same two, no baseline, as *_v2),
 # bench-big (Llama-3.1-8B 1000 x 1000/1000, max_num_seqs 256),
-# bench-big384 (the same, max_num_seqs 384), serve.
+# bench-big384 (the same, max_num_seqs 384), bench-async (bench-diag's two with --async-scheduling, as *_async;
+# run bench-diag in the same call for the sync figures), serve.
 set -u -o pipefail
 OUT=${OUT:-/tmp/serval_out}
 DEADLINE=${DEADLINE:-560}   # seconds for all stages; the kernel collection comes after
@@ -78,7 +79,7 @@ print('prefill/mixed ok', b.forward(L, q, k, k.clone(), cache, b.build_metadata(
     tests)
       EXTRA_LOG="$OUT/gpu_tests.log" stage tests 330 python3 -m pytest -m gpu -p no:cacheprovider \
         tests/test_gpu_attention.py tests/test_gpu_cuda_graph.py tests/test_gpu_engine.py \
-        tests/test_runner.py tests/test_engine_parity.py tests/test_sampler.py -v -rs ;;
+        tests/test_runner.py tests/test_engine_parity.py tests/test_sampler.py tests/test_async_scheduling.py -v -rs ;;
     bench-small)
       stage llama8b_b1 200 python3 -m server.cli bench offline --model llama-3.1-8b --num-prompts 1 \
         --input-len 128 --output-len 256 --gpu-memory-utilization 0.7 --baseline-hf --baseline-new-tokens 32 \
@@ -92,6 +93,13 @@ print('prefill/mixed ok', b.forward(L, q, k, k.clone(), cache, b.build_metadata(
       stage qwen3_0.6b_256_v2 120 python3 -m server.cli bench offline --model qwen3-0.6b --num-prompts 256 \
         --input-len 100:1024 --output-len 100:1024 --max-num-seqs 256 --max-num-batched-tokens 16384 \
         --name qwen3-0.6b_256req_100-1024${SUFFIX:-_v2} --results-dir "$OUT" ;;
+    bench-async)
+      stage llama8b_b1_async 120 python3 -m server.cli bench offline --model llama-3.1-8b --num-prompts 1 \
+        --input-len 128 --output-len 256 --profile-steps 30 --async-scheduling \
+        --name llama-3.1-8b_b1_128in_256out${SUFFIX:-}_async --results-dir "$OUT"
+      stage qwen3_0.6b_256_async 120 python3 -m server.cli bench offline --model qwen3-0.6b --num-prompts 256 \
+        --input-len 100:1024 --output-len 100:1024 --max-num-seqs 256 --max-num-batched-tokens 16384 \
+        --async-scheduling --name qwen3-0.6b_256req_100-1024${SUFFIX:-}_async --results-dir "$OUT" ;;
     bench-big384)
       stage llama8b_1000_384 240 python3 -m server.cli bench offline --model llama-3.1-8b --num-prompts 1000 \
         --input-len 1000 --output-len 1000 --max-num-seqs 384 --max-num-batched-tokens 8192 \

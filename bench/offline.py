@@ -9,6 +9,8 @@ Every request is random token ids (seeded), `ignore_eos`, greedy; lengths
 are fixed (`--input-len 128`) or uniform in a range (`100:1024`). All
 requests are added at once, then `EngineCore.step()` runs until they finish
 (no HTTP, no tokenizer). A warm-up request runs first, untimed.
+`--async-scheduling` runs the engine with it (the result name gets `_async`),
+so one device call can run both modes back to back.
 
 Reported (and written to bench/results/<name>.json):
 - output tokens/s and total (prompt + output) tokens/s over the whole run;
@@ -71,6 +73,8 @@ def build_parser(prog: str = "serval bench offline") -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="schedule step N+1 while step N runs (EngineConfig.async_scheduling)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--profile-steps", type=int, default=20,
                    help="decode steps traced with torch.profiler for the GPU idle fraction (0: off)")
@@ -107,13 +111,14 @@ class StepRecord:
 class TimedRunner:
     """Wraps the engine's runner: times `execute` (and, by wrapping three of
     the ModelRunner's methods on the instance, where its host time goes) and
-    records the step's shape."""
+    records the step's shape. With async scheduling, `execute_async` is timed
+    as runner_s (the launch) and the step's `result()` as its wait_s."""
 
     def __init__(self, runner: Any) -> None:
         self.runner = runner
         self.steps: list[StepRecord] = []
         self._split: dict[str, float] = {}
-        for method, key in (("_prepare_inputs", "prepare_s"), ("_forward", "launch_s"), ("_to_host", "wait_s")):
+        for method, key in (("_prepare_inputs", "prepare_s"), ("_forward", "launch_s"), ("_wait_sampled", "wait_s")):
             if hasattr(runner, method):
                 setattr(runner, method, self._timed(getattr(runner, method), key))
 
@@ -131,7 +136,16 @@ class TimedRunner:
         self._split.clear()
         start = time.perf_counter()
         out = self.runner.execute(so)
-        elapsed = time.perf_counter() - start
+        self._record(so, time.perf_counter() - start)
+        return out
+
+    def execute_async(self, so):
+        self._split.clear()
+        start = time.perf_counter()
+        handle = self.runner.execute_async(so)
+        return _TimedStep(handle, self._record(so, time.perf_counter() - start))
+
+    def _record(self, so, elapsed: float) -> StepRecord:
         computed = sum(so.scheduled_cached_reqs.num_computed_tokens) + sum(
             r.num_computed_tokens for r in so.scheduled_new_reqs
         )
@@ -145,6 +159,18 @@ class TimedRunner:
                 **self._split,
             )
         )
+        return self.steps[-1]
+
+
+class _TimedStep:
+    def __init__(self, handle: Any, record: StepRecord) -> None:
+        self.handle = handle
+        self.record = record
+
+    def result(self):
+        start = time.perf_counter()
+        out = self.handle.result()
+        self.record.wait_s = time.perf_counter() - start
         return out
 
 
@@ -422,6 +448,7 @@ def bench_main(argv: list[str] | None = None, prog: str = "serval bench offline"
         enable_prefix_caching=not args.no_prefix_caching,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         seed=args.seed,
     )
     from transformers import AutoConfig
@@ -450,6 +477,7 @@ def bench_main(argv: list[str] | None = None, prog: str = "serval bench offline"
         "max_model_len": max_model_len,
         "block_size": args.block_size,
         "cuda_graphs": torch.cuda.is_available() and not args.enforce_eager,
+        "async_scheduling": args.async_scheduling,
     }
     record = {
         "bench": "offline",
@@ -463,6 +491,8 @@ def bench_main(argv: list[str] | None = None, prog: str = "serval bench offline"
         "baseline": None,
     }
     name = args.name or f"offline_{source.name}_{args.num_prompts}x{in_hi}in{out_hi}out"
+    if args.async_scheduling and not args.name:
+        name += "_async"
     os.makedirs(args.results_dir, exist_ok=True)
     path = os.path.join(args.results_dir, f"{name}.json")
 
