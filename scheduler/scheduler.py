@@ -343,8 +343,7 @@ class Scheduler:
             if req.status == _RUNNING:
                 block_manager.cache_full_blocks(req, num_computed)
         sampling = step.sampling
-        for req in sampling.values():
-            req.num_output_placeholders -= 1
+        num_sampled = 0
 
         requests = self.requests
         sampled = runner_output.sampled_token_ids
@@ -357,7 +356,11 @@ class Scheduler:
             if not new_token_ids:
                 continue  # partial prefill chunk
             req = sampling.get(req_id)
-            status = req.status if req is not None else _FINISHED
+            if req is None:
+                continue
+            req.num_output_placeholders -= 1
+            num_sampled += 1
+            status = req.status
             if status >= _FINISHED:
                 continue  # aborted, or finished by the step before (async scheduling): dropped
             # PREEMPTED: async scheduling preempted it while this token was in flight
@@ -400,6 +403,11 @@ class Scheduler:
                 any_finished = True
             outputs.append(out)
 
+        if num_sampled != len(sampling):  # the runner returned no token for some: none is in flight now
+            got = {req_id for req_id, tokens in zip(runner_output.req_ids, sampled) if tokens}
+            for req_id, req in sampling.items():
+                if req_id not in got:
+                    req.num_output_placeholders -= 1
         if any_finished:
             self.running = [r for r in self.running if r.status == _RUNNING]
         return outputs
