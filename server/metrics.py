@@ -120,10 +120,19 @@ class SequenceTimer:
             self.metrics.queue_time.observe(max(0.0, first_scheduled_time - self.arrival_wall))
         if num_new_tokens <= 0:
             return
+        # One ITL sample per output token after the first. A delta can carry
+        # several tokens (a backlog merged for a slow consumer): its interval
+        # is shared evenly among them, e.g. 3 tokens 30 ms after the last
+        # delta -> three samples of 10 ms; extra tokens in the first delta
+        # arrived with it (0 s each).
         if self.last is None:
             self.metrics.ttft.observe(now - self.arrival)
+            for _ in range(num_new_tokens - 1):
+                self.metrics.itl.observe(0.0)
         else:
-            self.metrics.itl.observe(now - self.last)
+            gap = (now - self.last) / num_new_tokens
+            for _ in range(num_new_tokens):
+                self.metrics.itl.observe(gap)
         self.last = now
         self.num_tokens += num_new_tokens
         self.metrics.generation_tokens.inc(num_new_tokens)
