@@ -10,8 +10,10 @@
 # Stages: smoke, tests, structured (bench_structured.py on the GPU), bench-small (Llama-3.1-8B batch 1 + HF baseline,
 # Qwen3-0.6B 256 requests), bench-diag (the same two, no baseline, as *_v2),
 # bench-big (Llama-3.1-8B 1000 x 1000/1000, max_num_seqs 256),
-# bench-big384 (the same, max_num_seqs 384), bench-async (bench-diag's two with --async-scheduling, as *_async;
-# run bench-diag in the same call for the sync figures), serve.
+# bench-big384 (the same, max_num_seqs 384), serve. BENCH_FLAGS is appended to
+# every `bench offline` command and SUFFIX to the result names, so one call can
+# run the script twice: SUFFIX=_v5 ... bench-diag; SUFFIX=_v5_async
+# BENCH_FLAGS=--async-scheduling ... bench-diag (the wheels install once).
 set -u -o pipefail
 OUT=${OUT:-/tmp/serval_out}
 DEADLINE=${DEADLINE:-560}   # seconds for all stages; the kernel collection comes after
@@ -38,12 +40,14 @@ stage() {
   return "$rc"
 }
 
+export PYTHONPATH=/tmp/site:$PWD
+if [ ! -d /tmp/site/flashinfer ]; then
 log "install wheels"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -3 | tee -a "$LOG"
-export PYTHONPATH=/tmp/site:$PWD
 AOT=/tmp/site/flashinfer/data/aot
 if ls .fi_cache/fi_aot.tgz.* >/dev/null 2>&1; then
   mkdir -p "$AOT" && cat .fi_cache/fi_aot.tgz.* | tar xzf - -C "$AOT" && log "restored $(ls "$AOT" | wc -l) compiled FlashInfer modules"
+fi
 fi
 nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,clocks.mem --format=csv | tee -a "$LOG"
 
@@ -83,31 +87,24 @@ print('prefill/mixed ok', b.forward(L, q, k, k.clone(), cache, b.build_metadata(
     bench-small)
       stage llama8b_b1 200 python3 -m server.cli bench offline --model llama-3.1-8b --num-prompts 1 \
         --input-len 128 --output-len 256 --gpu-memory-utilization 0.7 --baseline-hf --baseline-new-tokens 32 \
-        --profile-steps 30 --name llama-3.1-8b_b1_128in_256out --results-dir "$OUT"
+        --profile-steps 30 --name llama-3.1-8b_b1_128in_256out --results-dir "$OUT" ${BENCH_FLAGS:-}
       stage qwen3_0.6b_256 150 python3 -m server.cli bench offline --model qwen3-0.6b --num-prompts 256 \
         --input-len 100:1024 --output-len 100:1024 --max-num-seqs 256 --max-num-batched-tokens 16384 \
-        --name qwen3-0.6b_256req_100-1024 --results-dir "$OUT" ;;
+        --name qwen3-0.6b_256req_100-1024 --results-dir "$OUT" ${BENCH_FLAGS:-} ;;
     bench-diag)
       stage llama8b_b1_v2 120 python3 -m server.cli bench offline --model llama-3.1-8b --num-prompts 1 \
-        --input-len 128 --output-len 256 --profile-steps 30 --name llama-3.1-8b_b1_128in_256out${SUFFIX:-_v2} --results-dir "$OUT"
+        --input-len 128 --output-len 256 --profile-steps 30 --name llama-3.1-8b_b1_128in_256out${SUFFIX:-_v2} --results-dir "$OUT" ${BENCH_FLAGS:-}
       stage qwen3_0.6b_256_v2 120 python3 -m server.cli bench offline --model qwen3-0.6b --num-prompts 256 \
         --input-len 100:1024 --output-len 100:1024 --max-num-seqs 256 --max-num-batched-tokens 16384 \
-        --name qwen3-0.6b_256req_100-1024${SUFFIX:-_v2} --results-dir "$OUT" ;;
-    bench-async)
-      stage llama8b_b1_async 120 python3 -m server.cli bench offline --model llama-3.1-8b --num-prompts 1 \
-        --input-len 128 --output-len 256 --profile-steps 30 --async-scheduling \
-        --name llama-3.1-8b_b1_128in_256out${SUFFIX:-}_async --results-dir "$OUT"
-      stage qwen3_0.6b_256_async 120 python3 -m server.cli bench offline --model qwen3-0.6b --num-prompts 256 \
-        --input-len 100:1024 --output-len 100:1024 --max-num-seqs 256 --max-num-batched-tokens 16384 \
-        --async-scheduling --name qwen3-0.6b_256req_100-1024${SUFFIX:-}_async --results-dir "$OUT" ;;
+        --name qwen3-0.6b_256req_100-1024${SUFFIX:-_v2} --results-dir "$OUT" ${BENCH_FLAGS:-} ;;
     bench-big384)
       stage llama8b_1000_384 240 python3 -m server.cli bench offline --model llama-3.1-8b --num-prompts 1000 \
         --input-len 1000 --output-len 1000 --max-num-seqs 384 --max-num-batched-tokens 8192 \
-        --name llama-3.1-8b_1000req_1000in_1000out_seqs384${SUFFIX:-} --results-dir "$OUT" ;;
+        --name llama-3.1-8b_1000req_1000in_1000out_seqs384${SUFFIX:-} --results-dir "$OUT" ${BENCH_FLAGS:-} ;;
     bench-big)
       stage llama8b_1000 300 python3 -m server.cli bench offline --model llama-3.1-8b --num-prompts 1000 \
         --input-len 1000 --output-len 1000 --max-num-seqs 256 --max-num-batched-tokens 8192 \
-        --name llama-3.1-8b_1000req_1000in_1000out${SUFFIX:-} --results-dir "$OUT" ;;
+        --name llama-3.1-8b_1000req_1000in_1000out${SUFFIX:-} --results-dir "$OUT" ${BENCH_FLAGS:-} ;;
     structured)
       # guided decoding on the GPU: SmolLM2-135M shape, dummy weights, the real tokenizer
       # (.gpu_models/smollm2-135m: config.json + tokenizer files, carried; not in git)

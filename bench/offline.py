@@ -9,8 +9,9 @@ Every request is random token ids (seeded), `ignore_eos`, greedy; lengths
 are fixed (`--input-len 128`) or uniform in a range (`100:1024`). All
 requests are added at once, then `EngineCore.step()` runs until they finish
 (no HTTP, no tokenizer). A warm-up request runs first, untimed.
-`--async-scheduling` runs the engine with it (the result name gets `_async`),
-so one device call can run both modes back to back.
+Async scheduling is on by default on CUDA (as in `serval serve`);
+`--async-scheduling` / `--no-async-scheduling` force it (the result name
+then gets `_async` / `_sync`), so one device call can run both modes.
 
 Reported (and written to bench/results/<name>.json):
 - output tokens/s and total (prompt + output) tokens/s over the whole run;
@@ -73,8 +74,8 @@ def build_parser(prog: str = "serval bench offline") -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--async-scheduling", action="store_true",
-                   help="schedule step N+1 while step N runs (EngineConfig.async_scheduling)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule step N+1 while step N runs (EngineConfig.async_scheduling; default: on for CUDA)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--profile-steps", type=int, default=20,
                    help="decode steps traced with torch.profiler for the GPU idle fraction (0: off)")
@@ -179,6 +180,7 @@ class _TimedStep:
 # ---------------------------------------------------------------------------
 
 
+TOP_KERNELS = 16  # kernels listed by their time per step
 SMALL_GAP_S = 20e-6  # idle gaps shorter than this are kernel-to-kernel, longer ones wait for the host
 
 
@@ -217,13 +219,14 @@ def gpu_trace_summary(prof, num_steps: int) -> dict:
             cur_end = max(cur_end, end)
     busy += cur_end - cur_start
     span = cur_end - events[0][0]
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:8]
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]
     return {
         "gpu_idle_fraction": 1.0 - busy / span,
         "gpu_idle_between_kernels_fraction": small_gaps / span,  # gaps < 20 us
         "gpu_idle_waiting_host_fraction": large_gaps / span,  # gaps >= 20 us
         "window_gpu_span_ms": span * 1e3,
         "gpu_kernels_per_step": len(events) / num_steps,
+        "gpu_busy_ms_per_step": busy * 1e3 / num_steps,
         "gpu_top_kernels_ms_per_step": {name[:80]: t * 1e3 / num_steps for name, t in top},
     }
 
@@ -477,7 +480,7 @@ def bench_main(argv: list[str] | None = None, prog: str = "serval bench offline"
         "max_model_len": max_model_len,
         "block_size": args.block_size,
         "cuda_graphs": torch.cuda.is_available() and not args.enforce_eager,
-        "async_scheduling": args.async_scheduling,
+        "async_scheduling": torch.cuda.is_available() if args.async_scheduling is None else args.async_scheduling,
     }
     record = {
         "bench": "offline",
@@ -491,8 +494,8 @@ def bench_main(argv: list[str] | None = None, prog: str = "serval bench offline"
         "baseline": None,
     }
     name = args.name or f"offline_{source.name}_{args.num_prompts}x{in_hi}in{out_hi}out"
-    if args.async_scheduling and not args.name:
-        name += "_async"
+    if args.async_scheduling is not None and not args.name:
+        name += "_async" if args.async_scheduling else "_sync"
     os.makedirs(args.results_dir, exist_ok=True)
     path = os.path.join(args.results_dir, f"{name}.json")
 
@@ -526,7 +529,8 @@ def bench_main(argv: list[str] | None = None, prog: str = "serval bench offline"
     if "gpu_idle_fraction" in m:
         print(f"GPU idle in steady decode {100 * m['gpu_idle_fraction']:.1f}% over {m['window_steps']} steps "
               f"(between kernels {100 * m['gpu_idle_between_kernels_fraction']:.1f}%, waiting for the host "
-              f"{100 * m['gpu_idle_waiting_host_fraction']:.1f}%), {m['gpu_kernels_per_step']:.0f} kernels/step")
+              f"{100 * m['gpu_idle_waiting_host_fraction']:.1f}%), {m['gpu_kernels_per_step']:.0f} kernels/step, "
+              f"busy {m['gpu_busy_ms_per_step']:.3f} ms/step")
         for name, ms in m["gpu_top_kernels_ms_per_step"].items():
             print(f"  {ms:7.3f} ms/step  {name}")
     if baseline and "error" not in baseline:

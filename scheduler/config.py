@@ -74,8 +74,9 @@ class EngineConfig:
     enforce_eager: bool = False
     attention_backend: str | None = None  # None: flashinfer on CUDA, torch elsewhere
     seed: int = 0
-    # schedule step N+1 while step N runs on the device (EngineCore's module docstring)
-    async_scheduling: bool = False
+    # schedule step N+1 while step N runs on the device (EngineCore's module docstring);
+    # None: on for CUDA (the host work hides behind the GPU's), off on the CPU (nothing to overlap)
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "dummy"):

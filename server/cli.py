@@ -87,8 +87,9 @@ def add_serve_parser(subparsers: Any) -> None:
                    help="GPU: fraction of GPU memory Serval may use")
     e.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     e.add_argument("--enforce-eager", action="store_true", help="GPU: no CUDA graphs")
-    e.add_argument("--async-scheduling", action="store_true",
-                   help="schedule the next step while the current one runs on the device")
+    e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule the next step while the current one runs on the device "
+                   "(default: on for CUDA, off on the CPU)")
 
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all interfaces)")

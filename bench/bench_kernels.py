@@ -1,0 +1,201 @@
+"""Kernel micro-benchmarks on the GPU: what a decode step's pieces cost.
+
+    python bench/bench_kernels.py --out bench/results/kernels_h200.json
+
+1. The Llama-3.1-8B linears (qkv, o, gate_up, down, lm_head) at batch 1:
+   cuBLAS (F.linear), torch.mv, and runner/gemv.py's Triton GEMV over a
+   sweep of its configs; and F.linear at 256 rows. Each is timed as a CUDA
+   graph of 32 calls over 32 different weight copies (as the 32 layers of a
+   step: nothing stays in the 50 MB L2), so the figure is device time per
+   call with no launch gaps; bytes / time gives the read bandwidth.
+2. FlashInfer's paged decode with and without tensor cores, over the
+   shapes of the offline benchmarks, the same way (32 calls per graph).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+LAYERS = 32
+READ_BW = 4.19e12  # B/s, GPU_HOST.md
+LINEARS = {  # name: (N, K), Llama-3.1-8B
+    "qkv": (6144, 4096),
+    "o": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+    "lm_head": (128256, 4096),
+}
+
+
+def time_graph(fn: Callable[[], None], iters: int = 20) -> float:
+    """Milliseconds per call of fn, captured once as a CUDA graph and replayed."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def bench_linears(sweep: list) -> dict:
+    from runner.gemv import gemv, supports
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    results = {}
+    for name, (N, K) in LINEARS.items():
+        copies = 4 if name == "lm_head" else LAYERS  # lm_head: 1 GB, far beyond L2 already
+        ws = [torch.randn(N, K, device=dev, dtype=dt) * 0.02 for _ in range(copies)]
+        x1 = torch.randn(1, K, device=dev, dtype=dt)
+        x256 = torch.randn(256, K, device=dev, dtype=dt)
+        bytes_per_call = N * K * 2
+        row: dict = {"N": N, "K": K}
+
+        def per_call(fn) -> float:
+            return time_graph(lambda: [fn(w) for w in ws]) / copies
+
+        t = per_call(lambda w: F.linear(x1, w))
+        row["cublas_b1_us"], row["cublas_b1_tb_s"] = t * 1e3, bytes_per_call / (t * 1e-3) / 1e12
+        t = per_call(lambda w: torch.mv(w, x1[0]))
+        row["mv_b1_us"], row["mv_b1_tb_s"] = t * 1e3, bytes_per_call / (t * 1e-3) / 1e12
+        t = per_call(lambda w: F.linear(x256, w))
+        row["cublas_b256_us"], row["cublas_b256_tflop_s"] = t * 1e3, 2 * 256 * N * K / (t * 1e-3) / 1e12
+
+        ref = F.linear(x1, ws[0]).float()
+        best = None
+        for cfg in sweep:
+            if not supports(x1, ws[0], cfg):
+                continue
+            try:
+                err = (gemv(x1, ws[0], cfg).float() - ref).abs().max().item() / ref.abs().max().item()
+                t = per_call(lambda w: gemv(x1, w, cfg))
+            except Exception as e:  # a config Triton cannot build (registers, shared memory)
+                print(f"  {name} {cfg}: {type(e).__name__}: {str(e)[:120]}")
+                continue
+            if best is None or t < best[0]:
+                best = (t, cfg, err)
+        if best is not None:
+            t, cfg, err = best
+            row["triton_b1_us"], row["triton_b1_tb_s"] = t * 1e3, bytes_per_call / (t * 1e-3) / 1e12
+            row["triton_config"] = cfg.__dict__
+            row["triton_rel_err"] = err
+        results[name] = row
+        print(f"{name:8s} N={N:6d} K={K:5d}  b1: cuBLAS {row['cublas_b1_us']:7.1f} us {row['cublas_b1_tb_s']:.2f} TB/s"
+              f" | mv {row['mv_b1_us']:7.1f} us {row['mv_b1_tb_s']:.2f} TB/s"
+              + (f" | triton {row['triton_b1_us']:7.1f} us {row['triton_b1_tb_s']:.2f} TB/s {cfg} err {err:.1e}"
+                 if best else "")
+              + f"  b256: {row['cublas_b256_us']:7.1f} us {row['cublas_b256_tflop_s']:.0f} TFLOP/s", flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    # one decode step's linears (32 layers + lm_head) with each method's best
+    for key in ("cublas_b1_us", "mv_b1_us", "triton_b1_us"):
+        if all(key in r for r in results.values()):
+            total = sum(r[key] * (1 if n == "lm_head" else LAYERS) for n, r in results.items())
+            results[f"step_{key.removesuffix('_us')}_ms"] = total / 1e3
+    return results
+
+
+def bench_decode_attention() -> dict:
+    from flashinfer import BatchDecodeWithPagedKVCacheWrapper
+
+    dev, dt, page = torch.device("cuda"), torch.bfloat16, 16
+    workspace = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    cases = [  # (label, num_qo_heads, num_kv_heads, head_dim, batch, context)
+        ("llama8b_b1_ctx256", 32, 8, 128, 1, 256),
+        ("llama8b_b1_ctx384", 32, 8, 128, 1, 384),
+        ("llama8b_b256_ctx1500", 32, 8, 128, 256, 1500),
+        ("qwen3_0.6b_b128_ctx800", 16, 8, 128, 128, 800),
+        ("qwen3_0.6b_b256_ctx1000", 16, 8, 128, 256, 1000),
+    ]
+    results = {}
+    for label, hq, hkv, d, batch, ctx in cases:
+        pages_per_req = -(-ctx // page)
+        num_pages = batch * pages_per_req
+        cache_bytes = num_pages * 2 * page * hkv * d * 2
+        copies = max(1, min(LAYERS, int(2e9 // cache_bytes)))
+        caches = [torch.randn(num_pages, 2, page, hkv, d, device=dev, dtype=dt) for _ in range(copies)]
+        indptr = torch.arange(batch + 1, dtype=torch.int32) * pages_per_req
+        indices = torch.arange(num_pages, dtype=torch.int32, device=dev)
+        last = torch.full((batch,), ctx - (pages_per_req - 1) * page, dtype=torch.int32)
+        q = torch.randn(batch, hq, d, device=dev, dtype=dt)
+        out = torch.empty_like(q)
+        row: dict = {"batch": batch, "context": ctx, "heads": [hq, hkv, d]}
+        kv_bytes = batch * ctx * 2 * hkv * d * 2
+        for tc in (True, False):
+            wrapper = BatchDecodeWithPagedKVCacheWrapper(
+                workspace, "NHD", use_cuda_graph=True, use_tensor_cores=tc,
+                paged_kv_indptr_buffer=torch.empty(batch + 1, dtype=torch.int32, device=dev),
+                paged_kv_indices_buffer=torch.empty(num_pages, dtype=torch.int32, device=dev),
+                paged_kv_last_page_len_buffer=torch.empty(batch, dtype=torch.int32, device=dev),
+            )
+            wrapper.plan(indptr, indices, last, hq, hkv, d, page, q_data_type=dt, kv_data_type=dt)
+            calls = [caches[i % copies] for i in range(LAYERS)]
+            t = time_graph(lambda: [wrapper.run(q, c, out=out) for c in calls]) / LAYERS
+            key = "tensor_cores" if tc else "cuda_cores"
+            row[f"{key}_us"], row[f"{key}_tb_s"] = t * 1e3, kv_bytes / (t * 1e-3) / 1e12
+        row["kv_floor_us"] = kv_bytes / READ_BW * 1e6
+        results[label] = row
+        print(f"{label:26s} tensor cores {row['tensor_cores_us']:8.1f} us ({row['tensor_cores_tb_s']:.2f} TB/s)"
+              f" | CUDA cores {row['cuda_cores_us']:8.1f} us ({row['cuda_cores_tb_s']:.2f} TB/s)"
+              f" | KV floor {row['kv_floor_us']:.1f} us", flush=True)
+        del caches
+        torch.cuda.empty_cache()
+    return results
+
+
+def default_sweep() -> list:
+    from runner.gemv import GemvConfig
+
+    return [
+        GemvConfig(block_n=n, block_k=k, num_warps=w, num_stages=s)
+        for n, k, w, s in itertools.product((4, 8, 16), (256, 512, 1024), (4, 8), (2, 4))
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="bench/results/kernels_h200.json")
+    p.add_argument("--skip-attention", action="store_true")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_kernels.py needs CUDA")
+    record = {
+        "bench": "kernels",
+        "host": torch.cuda.get_device_name(),
+        "date": datetime.date.today().isoformat(),
+        "command": "python bench/bench_kernels.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "method": "CUDA graph of 32 calls over 32 weight / KV copies, replayed 20 times; device time per call",
+        "linears_bf16": bench_linears(default_sweep()),
+    }
+    if not args.skip_attention:
+        record["decode_attention_bf16"] = bench_decode_attention()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
