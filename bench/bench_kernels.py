@@ -110,9 +110,10 @@ def bench_linears(sweep: list) -> dict:
         del ws
         torch.cuda.empty_cache()
     # one decode step's linears (32 layers + lm_head) with each method's best
+    rows = dict(results)
     for key in ("cublas_b1_us", "mv_b1_us", "triton_b1_us"):
-        if all(key in r for r in results.values()):
-            total = sum(r[key] * (1 if n == "lm_head" else LAYERS) for n, r in results.items())
+        if all(key in r for r in rows.values()):
+            total = sum(r[key] * (1 if n == "lm_head" else LAYERS) for n, r in rows.items())
             results[f"step_{key.removesuffix('_us')}_ms"] = total / 1e3
     return results
 
@@ -123,11 +124,10 @@ def bench_decode_attention() -> dict:
     dev, dt, page = torch.device("cuda"), torch.bfloat16, 16
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     cases = [  # (label, num_qo_heads, num_kv_heads, head_dim, batch, context)
-        ("llama8b_b1_ctx256", 32, 8, 128, 1, 256),
-        ("llama8b_b1_ctx384", 32, 8, 128, 1, 384),
-        ("llama8b_b256_ctx1500", 32, 8, 128, 256, 1500),
-        ("qwen3_0.6b_b128_ctx800", 16, 8, 128, 128, 800),
-        ("qwen3_0.6b_b256_ctx1000", 16, 8, 128, 256, 1000),
+        (f"{model}_b{batch}_ctx{ctx}", hq, hkv, 128, batch, ctx)
+        for model, hq, hkv in (("llama8b", 32, 8), ("qwen3_0.6b", 16, 8))
+        for batch in (1, 4, 16, 64, 128, 256)
+        for ctx in (256, 1500)
     ]
     results = {}
     for label, hq, hkv, d, batch, ctx in cases:
@@ -165,6 +165,19 @@ def bench_decode_attention() -> dict:
     return results
 
 
+def tensor_cores_from(attention: dict, model: str) -> int:
+    """The smallest batch from which the tensor-core decode is at least as fast
+    as the CUDA-core one at every measured batch and context (10**9: never)."""
+    rows = [r for label, r in attention.items() if label.startswith(model + "_b")]
+    threshold = 10**9
+    for batch in sorted({r["batch"] for r in rows}, reverse=True):
+        if all(r["tensor_cores_us"] <= r["cuda_cores_us"] for r in rows if r["batch"] == batch):
+            threshold = batch
+        else:
+            break
+    return threshold
+
+
 def default_sweep() -> list:
     from runner.gemv import GemvConfig
 
@@ -178,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench/results/kernels_h200.json")
     p.add_argument("--skip-attention", action="store_true")
+    p.add_argument("--skip-linears", action="store_true")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels.py needs CUDA")
@@ -187,10 +201,13 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.date.today().isoformat(),
         "command": "python bench/bench_kernels.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "method": "CUDA graph of 32 calls over 32 weight / KV copies, replayed 20 times; device time per call",
-        "linears_bf16": bench_linears(default_sweep()),
     }
+    if not args.skip_linears:
+        record["linears_bf16"] = bench_linears(default_sweep())
     if not args.skip_attention:
-        record["decode_attention_bf16"] = bench_decode_attention()
+        attention = record["decode_attention_bf16"] = bench_decode_attention()
+        record["decode_tensor_cores_from"] = {m: tensor_cores_from(attention, m) for m in ("llama8b", "qwen3_0.6b")}
+        print("tensor-core decode from batch:", record["decode_tensor_cores_from"])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {args.out}")

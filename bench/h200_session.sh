@@ -8,7 +8,7 @@
 #   bench/h200_session.sh bench-diag bench-big serve tests # later
 #
 # Stages: smoke, tests, structured (bench_structured.py on the GPU), bench-small (Llama-3.1-8B batch 1 + HF baseline,
-# Qwen3-0.6B 256 requests), bench-diag (the same two, no baseline, as *_v2),
+# Qwen3-0.6B 256 requests), bench-diag (the same two, no baseline, as *_v2; alone: llama-b1, qwen-256),
 # bench-big (Llama-3.1-8B 1000 x 1000/1000, max_num_seqs 256),
 # bench-big384 (the same, max_num_seqs 384), serve. BENCH_FLAGS is appended to
 # every `bench offline` command and SUFFIX to the result names, so one call can
@@ -52,15 +52,37 @@ fi
 nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,clocks.mem --format=csv | tee -a "$LOG"
 
 serve_check() {
+  # the server on the GPU (async scheduling, its default there): one completion; 16 at once
+  # with a 4000-token stream cut off after 0.5 s (the engine aborts it); then one more
   python3 -m server.cli serve --model llama-3.2-1b --load-format dummy --port 8011 --log-level warning &
-  local pid=$!
+  local pid=$! url=localhost:8011/v1/completions ct='content-type: application/json'
   for _ in $(seq 1 120); do curl -sf localhost:8011/health >/dev/null && break; sleep 1; done
-  curl -s localhost:8011/v1/completions -H 'content-type: application/json' \
-    -d '{"model": "llama-3.2-1b", "prompt": [128000, 791, 6864, 315, 9822, 374], "max_tokens": 8, "temperature": 0}'
+  curl -s $url -H "$ct" -d '{"model": "llama-3.2-1b", "prompt": [128000, 791, 6864, 315, 9822, 374], "max_tokens": 8, "temperature": 0}'
   local rc=$?
   echo
+  local pids=()
+  for _ in $(seq 1 16); do
+    curl -s $url -H "$ct" -o /dev/null -w "%{http_code} " \
+      -d '{"model": "llama-3.2-1b", "prompt": [128000, 791], "max_tokens": 64, "ignore_eos": true}' & pids+=($!)
+  done
+  curl -s -N --max-time 0.5 $url -H "$ct" \
+    -d '{"model": "llama-3.2-1b", "prompt": [128000, 791], "max_tokens": 4000, "ignore_eos": true, "stream": true}' | head -c 200
+  echo; wait "${pids[@]}"; echo
+  curl -s $url -H "$ct" -d '{"model": "llama-3.2-1b", "prompt": [128000, 791], "max_tokens": 4, "temperature": 0}' || rc=1
+  echo
+  curl -s localhost:8011/metrics | grep -E '^serval:(num_requests_running|request_success_total)' | head -5
   kill "$pid"; wait "$pid"
   return $rc
+}
+
+llama_b1() {
+  stage llama8b_b1 120 python3 -m server.cli bench offline --model llama-3.1-8b --num-prompts 1 \
+    --input-len 128 --output-len 256 --profile-steps 30 --name llama-3.1-8b_b1_128in_256out${SUFFIX:-_v2} --results-dir "$OUT" ${BENCH_FLAGS:-}
+}
+qwen_256() {
+  stage qwen3_0.6b_256 120 python3 -m server.cli bench offline --model qwen3-0.6b --num-prompts 256 \
+    --input-len 100:1024 --output-len 100:1024 --max-num-seqs 256 --max-num-batched-tokens 16384 \
+    --name qwen3-0.6b_256req_100-1024${SUFFIX:-_v2} --results-dir "$OUT" ${BENCH_FLAGS:-}
 }
 
 for s in "$@"; do
@@ -91,12 +113,9 @@ print('prefill/mixed ok', b.forward(L, q, k, k.clone(), cache, b.build_metadata(
       stage qwen3_0.6b_256 150 python3 -m server.cli bench offline --model qwen3-0.6b --num-prompts 256 \
         --input-len 100:1024 --output-len 100:1024 --max-num-seqs 256 --max-num-batched-tokens 16384 \
         --name qwen3-0.6b_256req_100-1024 --results-dir "$OUT" ${BENCH_FLAGS:-} ;;
-    bench-diag)
-      stage llama8b_b1_v2 120 python3 -m server.cli bench offline --model llama-3.1-8b --num-prompts 1 \
-        --input-len 128 --output-len 256 --profile-steps 30 --name llama-3.1-8b_b1_128in_256out${SUFFIX:-_v2} --results-dir "$OUT" ${BENCH_FLAGS:-}
-      stage qwen3_0.6b_256_v2 120 python3 -m server.cli bench offline --model qwen3-0.6b --num-prompts 256 \
-        --input-len 100:1024 --output-len 100:1024 --max-num-seqs 256 --max-num-batched-tokens 16384 \
-        --name qwen3-0.6b_256req_100-1024${SUFFIX:-_v2} --results-dir "$OUT" ${BENCH_FLAGS:-} ;;
+    bench-diag) llama_b1; qwen_256 ;;
+    llama-b1) llama_b1 ;;
+    qwen-256) qwen_256 ;;
     bench-big384)
       stage llama8b_1000_384 240 python3 -m server.cli bench offline --model llama-3.1-8b --num-prompts 1000 \
         --input-len 1000 --output-len 1000 --max-num-seqs 384 --max-num-batched-tokens 8192 \

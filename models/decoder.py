@@ -1,7 +1,7 @@
 """One config-driven decoder for Llama, Mistral, Qwen2/2.5 and Qwen3.
 
     model(input_ids [num_tokens], positions [num_tokens]) -> hidden [num_tokens, hidden]
-    model.compute_logits(hidden [n, hidden]) -> float32 logits [n, vocab]
+    model.compute_logits(hidden [n, hidden]) -> logits [n, vocab], model dtype
 
 The batch is flat: the tokens of many requests concatenated, no batch dim;
 which token belongs to which request is the attention backend's business
@@ -117,7 +117,7 @@ class DecoderForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden]
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab], model dtype
         return self.lm_head(hidden)
 
     # ------------------------------------------------------------------

@@ -30,6 +30,10 @@ class AttentionBackend(abc.ABC):
     """
 
     name: str = "abstract"
+    # True: forward() takes `positions` and applies the layer's rope to q and k
+    # itself (FlashInfer: rope and the KV store are one kernel); False: the
+    # layer hands over q and k already rotated
+    applies_rope: bool = False
 
     @abc.abstractmethod
     def forward(
@@ -40,6 +44,7 @@ class AttentionBackend(abc.ABC):
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
         meta: Any,  # the backend's own metadata type for this step
+        positions: torch.Tensor | None = None,  # [num_tokens], given when applies_rope
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write k/v of this step's tokens into kv_cache (through the slot
         mapping in `meta`), then attend each query token causally over its

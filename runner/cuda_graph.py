@@ -1,6 +1,6 @@
 """CUDA graphs for decode-only steps.
 
-One graph per batch-size bucket (1, 2, 4, 8, then every 16 up to
+One graph per batch-size bucket (1, 2, 4, 8, then every 8 up to
 max_num_seqs), captured largest first into one memory pool, so the smaller
 graphs reuse the largest one's intermediate memory. A decode step of n
 requests replays the smallest bucket B >= n: the step's token ids and
@@ -31,10 +31,12 @@ logger = logging.getLogger(__name__)
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
-    """Graph batch sizes, ascending: 1, 2, 4, 8, 16, 32, ... (every 16), max_num_seqs.
-    max_num_seqs=40 -> [1, 2, 4, 8, 16, 32, 40]."""
+    """Graph batch sizes, ascending: 1, 2, 4, 8, 16, 24, ... (every 8), max_num_seqs.
+    max_num_seqs=30 -> [1, 2, 4, 8, 16, 24, 30]. Every 8, not 16: a decode step
+    at batch 249 replays the 256 graph, and at large batches the padded rows
+    cost matmul time (the GEMMs are compute-bound there)."""
     sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
-    sizes += range(16, max_num_seqs, 16)
+    sizes += range(16, max_num_seqs, 8)
     sizes.append(max_num_seqs)
     return sizes
 

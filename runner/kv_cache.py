@@ -181,7 +181,7 @@ def _profile_step(model, backend, q_lens: list[int], num_sampled: int, device: t
         hidden = model(input_ids, positions)
     if num_sampled:
         # the LM head, then about the sampler's float32 temporaries
-        probs = model.compute_logits(hidden[:num_sampled]).softmax(dim=-1)
+        probs = model.compute_logits(hidden[:num_sampled]).float().softmax(dim=-1)
         (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base

@@ -109,10 +109,15 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        """logits: [num_rows, vocab] (any float dtype; worked on in float32)."""
+        """logits: [num_rows, vocab] (any float dtype; processed in float32, on a copy)."""
         p = meta.params
-        logits = logits.float().clone()
         want_logprobs = p.num_logprobs >= 0
+        greedy = (p.temperature < _GREEDY_EPS) | (p.top_k == 1)
+        if greedy.all() and not want_logprobs.any() and not self.has_processors(meta):
+            # plain greedy: argmax of the logits as they come (bfloat16 -> float32 is exact, so the
+            # same token), without a float32 copy of the [rows, vocab] logits
+            return SamplerOutput(logits.argmax(dim=-1), None)
+        logits = logits.float() if logits.dtype != torch.float32 else logits.clone()
         logprobs = None
         if want_logprobs.any() and self.logprobs_mode == "raw":
             logprobs = torch.log_softmax(logits, dim=-1)
@@ -121,7 +126,6 @@ class Sampler:
         if want_logprobs.any() and logprobs is None:
             logprobs = torch.log_softmax(logits, dim=-1)
 
-        greedy = (p.temperature < _GREEDY_EPS) | (p.top_k == 1)
         tokens = logits.argmax(dim=-1)
         random_rows = np.flatnonzero(~greedy)
         if random_rows.size:
@@ -137,6 +141,19 @@ class Sampler:
             for row, lp in zip(rows.tolist(), made):
                 out_logprobs[row] = lp
         return SamplerOutput(tokens, out_logprobs)
+
+    @staticmethod
+    def has_processors(meta: SamplingMetadata) -> bool:
+        """Whether process_logits would change any row (the checks of its steps, on the host)."""
+        p = meta.params
+        return bool(
+            meta.token_bitmask is not None
+            or (p.logit_bias != None).any()  # noqa: E711 (object column)
+            or (meta.num_output_tokens < p.min_tokens).any()
+            or (p.repetition_penalty != 1.0).any()
+            or (p.frequency_penalty != 0.0).any()
+            or (p.presence_penalty != 0.0).any()
+        )
 
     def process_logits(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """Steps 1-4b (logit_bias, min_tokens, penalties, grammar bitmask), in

@@ -239,7 +239,7 @@ def run_flat_batch(model: torch.nn.Module, prompts: Sequence[Sequence[int]]) -> 
     kv_caches = [torch.empty(0, device=device)] * model.config.num_layers
     with forward_context(ForwardContext(SdpaTestBackend(), meta, kv_caches)):
         hidden = model(input_ids.to(device), positions.to(device))
-    return model.compute_logits(hidden)
+    return model.compute_logits(hidden).float()
 
 
 @torch.inference_mode()

@@ -54,7 +54,11 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
         ctx = get_forward_context()
-        out = ctx.backend.forward(self, q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn_metadata)
+        kv_cache = ctx.kv_caches[self.layer_idx]
+        if ctx.backend.applies_rope:  # rope inside the backend's KV store (self.rotary_emb.cos_sin_cache)
+            out = ctx.backend.forward(self, q, k, v, kv_cache, ctx.attn_metadata, positions)
+        else:
+            q, k = self.rotary_emb(positions, q, k)
+            out = ctx.backend.forward(self, q, k, v, kv_cache, ctx.attn_metadata)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))

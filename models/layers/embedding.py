@@ -17,7 +17,8 @@ class VocabEmbedding(nn.Module):
 
 
 class LMHead(nn.Module):
-    """hidden -> float32 logits. When tied, `weight` is the embedding's Parameter."""
+    """hidden -> logits in the model dtype (the sampler takes them to float32
+    when it processes them). When tied, `weight` is the embedding's Parameter."""
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
@@ -27,4 +28,4 @@ class LMHead(nn.Module):
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> [num_tokens, vocab]
-        return F.linear(hidden, self.weight).float()
+        return F.linear(hidden, self.weight)

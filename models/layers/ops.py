@@ -70,7 +70,16 @@ def silu_and_mul(
     return F.silu(gate) * up
 
 
+def linear(
+    x: torch.Tensor,  # [num_tokens, in_features]
+    weight: torch.Tensor,  # [out_features, in_features]
+    bias: torch.Tensor | None,
+) -> torch.Tensor:  # [num_tokens, out_features]
+    return F.linear(x, weight, bias)
+
+
 _REFERENCE: dict[str, Callable] = {
+    "linear": linear,
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
     "rotary_embedding": rotary_embedding,

@@ -1,18 +1,20 @@
 """FlashInfer paged attention: the CUDA backend.
 
 Per step, `build_metadata` plans ONE wrapper that every layer then runs:
-- a decode-only step (every request has q_len 1): BatchDecodeWithPagedKVCacheWrapper
-  with tensor cores (the FA2 kernels, good for GQA);
+- a decode-only step (every request has q_len 1): BatchDecodeWithPagedKVCacheWrapper,
+  with tensor cores (the FA2 kernels) from DECODE_TENSOR_CORES_FROM requests,
+  on CUDA cores below;
 - any step with a prefill chunk (prefill only, or mixed with decodes):
   BatchPrefillWithPagedKVCacheWrapper, causal. FlashInfer aligns the causal
   mask to the end of the keys, so query i of a chunk of q_len on top of ctx
   cached tokens sees keys 0..ctx+i, and a decode row (q_len 1) sees all.
-Both use the FA2 backend, so one JIT module per (dtype, head_dim) serves both.
+The prefill wrapper and the tensor-core decode share one FA2 JIT module per
+(dtype, head_dim); the CUDA-core decode kernel is a second one.
 
 The KV cache layout is FlashInfer's NHD paged layout,
 `[num_blocks, 2, block_size, num_kv_heads, head_dim]`. Each layer first
-writes this step's k/v through the slot mapping (one Triton kernel), then
-attends. The page table FlashInfer reads is built on the host from the block
+rotates q and k and writes k/v through the slot mapping (one Triton kernel:
+the backend `applies_rope`), then attends. The page table FlashInfer reads is built on the host from the block
 table, e.g. seq_lens=[5, 1], block_size=4, block_table=[[7, 2], [9, 0]]:
     kv_indptr = [0, 2, 3]   kv_indices = [7, 2, 9]   kv_last_page_len = [1, 1]
 
@@ -25,6 +27,7 @@ one page, the padding block, holding one token; their k/v land there too.
 from __future__ import annotations
 
 import builtins
+import os
 import sys
 from dataclasses import dataclass
 from typing import Union
@@ -34,7 +37,7 @@ import torch
 from flashinfer import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper
 
 from runner.attention import AttentionInputs, AttentionSpec, RunnerAttentionBackend
-from runner.cuda_ops import store_kv
+from runner.cuda_ops import rope_and_store_kv, store_kv
 from runner.input_batch import CpuGpuBuffer
 from scheduler.config import ConfigError
 
@@ -42,6 +45,11 @@ from scheduler.config import ConfigError
 # at a time on one stream).
 WORKSPACE_BYTES = 256 << 20
 _FA_BACKEND = "fa2"
+# Decode batches of at least this many requests run FlashInfer's tensor-core
+# decode kernel (the FA2 prefill kernel), smaller ones its CUDA-core kernel;
+# each CUDA graph bucket makes the choice for its own batch size.
+# SERVAL_FLASHINFER_DECODE_TENSOR_CORES_FROM=N overrides it (1: always).
+DECODE_TENSOR_CORES_FROM = int(os.environ.get("SERVAL_FLASHINFER_DECODE_TENSOR_CORES_FROM", "1"))
 
 Wrapper = Union[BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper]
 
@@ -139,7 +147,10 @@ class FlashInferAttentionBackend(RunnerAttentionBackend):
             )
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.prefill_wrapper = BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=_FA_BACKEND)
-        self.decode_wrapper = BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True)
+        # eager decode steps: one wrapper per kernel kind (see DECODE_TENSOR_CORES_FROM)
+        self.decode_wrappers = {
+            tc: BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=tc) for tc in (True, False)
+        }
         self.pages = _PageTable(device, 256, 4096)
         # CUDA graphs: set by prepare_for_capture
         self.graph_pages: _PageTable | None = None
@@ -156,7 +167,7 @@ class FlashInferAttentionBackend(RunnerAttentionBackend):
         n = inputs.num_reqs
         indptr, indices, last_page_len = self.pages.fill(inputs, n)
         if inputs.is_decode_only:
-            wrapper = self.decode_wrapper
+            wrapper = self.decode_wrappers[n >= DECODE_TENSOR_CORES_FROM]
             self._plan_decode(wrapper, indptr, indices, last_page_len)
         else:
             wrapper = self.prefill_wrapper
@@ -200,10 +211,15 @@ class FlashInferAttentionBackend(RunnerAttentionBackend):
         return self.spec
 
     # ------------------------------------------------------------------
-    def forward(self, layer, q, k, v, kv_cache, meta: FlashInferMetadata) -> torch.Tensor:
+    applies_rope = True  # rope + KV store: one kernel per layer
+
+    def forward(self, layer, q, k, v, kv_cache, meta: FlashInferMetadata, positions=None) -> torch.Tensor:
         n = meta.num_tokens
         q, k, v = q[:n], k[:n], v[:n]
-        store_kv(k, v, kv_cache, meta.slot_mapping)
+        if positions is None:  # q and k come rotated (tests, callers outside the model)
+            store_kv(k, v, kv_cache, meta.slot_mapping)
+        else:  # q rotated in place; rotated k and v written to the cache (k itself is left alone)
+            rope_and_store_kv(positions[:n], q, k, v, layer.rotary_emb.cos_sin_cache, kv_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [num_tokens, num_heads, head_dim]
         meta.wrapper.run(q, kv_cache, out=out)
         return out
@@ -225,7 +241,7 @@ class FlashInferAttentionBackend(RunnerAttentionBackend):
             self.workspace,
             "NHD",
             use_cuda_graph=True,
-            use_tensor_cores=True,
+            use_tensor_cores=num_reqs >= DECODE_TENSOR_CORES_FROM,
             paged_kv_indptr_buffer=self.graph_indptr[: num_reqs + 1],
             paged_kv_indices_buffer=self.graph_indices,
             paged_kv_last_page_len_buffer=self.graph_last_page_len[:num_reqs],
