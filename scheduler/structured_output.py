@@ -25,12 +25,19 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import threading
+import time
 from collections import OrderedDict
 from typing import Any, Iterable, Protocol
 
 from scheduler.types import EngineCoreOutput, EngineCoreRequest, FinishReason, StructuredOutputSpec
 
 logger = logging.getLogger(__name__)
+
+# A held request whose grammar has not compiled after this long finishes with
+# an ERROR output. The compile itself cannot be stopped (a thread): it keeps
+# its worker until it returns, and requests for the same spec share it (and
+# time out too) rather than starting another.
+GRAMMAR_COMPILE_TIMEOUT_S = 60.0
 
 
 class GrammarCompileError(ValueError):
@@ -145,12 +152,15 @@ class GuidedRequests:
 
     add() submits the compile; pop_ready() hands back, in arrival order, the
     requests whose compile finished (for the scheduler) and an ERROR output
-    for each whose compile failed; abort() drops held requests (ABORT outputs).
+    for each whose compile failed or took longer than compile_timeout_s;
+    abort() drops held requests (ABORT outputs).
     """
 
-    def __init__(self, cache: GrammarCache):
+    def __init__(self, cache: GrammarCache, compile_timeout_s: float = GRAMMAR_COMPILE_TIMEOUT_S):
         self.cache = cache
-        self._held: dict[str, tuple[EngineCoreRequest, cf.Future]] = {}  # arrival order
+        self.compile_timeout_s = compile_timeout_s
+        # req_id -> (request, compile future, time.monotonic() when held), arrival order
+        self._held: dict[str, tuple[EngineCoreRequest, cf.Future, float]] = {}
 
     def __len__(self) -> int:
         return len(self._held)
@@ -163,18 +173,25 @@ class GuidedRequests:
         assert spec is not None
         if request.req_id in self._held:
             raise ValueError(f"request id {request.req_id!r} is already in use")
-        self._held[request.req_id] = (request, self.cache.submit(spec))
+        self._held[request.req_id] = (request, self.cache.submit(spec), time.monotonic())
 
     def wait(self, timeout: float) -> None:
         """Block until some held compile finishes, at most `timeout` seconds."""
         if self._held:
-            cf.wait([f for _, f in self._held.values()], timeout=timeout, return_when=cf.FIRST_COMPLETED)
+            cf.wait([f for _, f, _ in self._held.values()], timeout=timeout, return_when=cf.FIRST_COMPLETED)
 
     def pop_ready(self) -> tuple[list[EngineCoreRequest], list[EngineCoreOutput]]:
         ready: list[EngineCoreRequest] = []
         errors: list[EngineCoreOutput] = []
-        for req_id, (request, future) in list(self._held.items()):
+        now = time.monotonic()
+        for req_id, (request, future, held_since) in list(self._held.items()):
             if not future.done():
+                if now - held_since > self.compile_timeout_s:
+                    del self._held[req_id]
+                    logger.error("the grammar of request %s did not compile in %.0f s", req_id, self.compile_timeout_s)
+                    errors.append(error_output(
+                        req_id, f"the grammar did not compile within {self.compile_timeout_s:g} s; simplify the schema"
+                    ))
                 continue
             del self._held[req_id]
             exc = future.exception()

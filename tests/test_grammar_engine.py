@@ -143,6 +143,22 @@ def test_an_invalid_grammar_is_an_error_output_and_never_reaches_the_scheduler()
     assert outs[-1].finish_reason == FinishReason.LENGTH
 
 
+def test_a_grammar_that_never_compiles_times_out_and_the_engine_keeps_serving():
+    backend = FakeBackend()
+    client, runner = make_core(backend)
+    client.engine_core.guided.compile_timeout_s = 0.05
+    client.add_request(make_request("stuck", [1, 2], max_tokens=4, structured_output=regex("slow-stuck")))
+    client.add_request(make_request("free", [3, 4], max_tokens=2))
+    time.sleep(0.1)
+    outs = run_until(client, lambda o: any(x.req_id == "stuck" for x in o))
+    stuck = next(x for x in outs if x.req_id == "stuck")
+    assert stuck.finish_reason == FinishReason.ERROR and "did not compile within 0.05 s" in stuck.error
+    assert all("stuck" not in so.num_scheduled_tokens for so in runner.history)
+    outs = run_until(client, lambda o: any(x.req_id == "free" and x.finished for x in o))
+    backend.release.set()
+    assert not client.has_unfinished_requests()
+
+
 def test_aborting_a_held_request_reports_abort():
     backend = FakeBackend()
     client, _ = make_core(backend)

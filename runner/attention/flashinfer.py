@@ -81,8 +81,10 @@ class FlashInferMetadata:
 class _PageTable:
     """Host-built kv_indptr / kv_indices / kv_last_page_len for FlashInfer,
     in pinned buffers (indices also copied to the device). They are rewritten
-    every step; the runner synchronises at the end of each step, so a copy
-    enqueued from them has finished before they change."""
+    every step; the runner waits for the previous step's input copies
+    (ModelRunner.inputs_copied, recorded after plan()) before it prepares the
+    next step, so a copy enqueued from them has finished before they change,
+    also with a step in flight (async scheduling)."""
 
     def __init__(self, device: torch.device, num_rows: int, num_pages: int):
         self.device = device
