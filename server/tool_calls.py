@@ -379,4 +379,8 @@ class _RequiredCallsStream:
         return False
 
     def finish(self) -> list[StreamEvent]:
+        """Cut short (max_tokens) before any call's name was complete: what the
+        model wrote goes out as content, as a non-streamed response gives it."""
+        if self.calls == 0 and self.buf:
+            return [ContentDelta(self.buf)]
         return []

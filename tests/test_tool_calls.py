@@ -131,6 +131,11 @@ def test_required_calls_stream_as_they_come():
     ev = s.feed('ther", "arguments": {"ci')
     assert isinstance(ev[0], ToolCallStart) and ev[0].name == "get_weather"
     assert ev[1] == ToolCallArguments(0, '{"ci')
+    assert s.finish() == []  # a call was started: its arguments went out as they came
+    # cut short (max_tokens) before the first name: the text is content, not lost
+    s = _RequiredCallsStream()
+    assert s.feed('[{"name": "get_') == []
+    assert s.finish() == [ContentDelta('[{"name": "get_')]
 
 
 # ---------------------------------------------------------------------------
