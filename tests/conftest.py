@@ -19,8 +19,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from server_util import ServerProcess, make_tiny_chat_model  # noqa: E402
 
-# Flags of the shared tiny server: a small KV cache (~20k tokens at 512 B per token).
-TINY_SERVER_ARGS = ["--kv-cache-memory", "0.01", "--log-level", "warning"]
+# Flags of the shared tiny server: a small KV cache (~20k tokens at 512 B per token),
+# and async scheduling, as `serval serve` runs on CUDA (the other servers of the
+# suite run the CPU default, synchronous)
+TINY_SERVER_ARGS = ["--kv-cache-memory", "0.01", "--log-level", "warning", "--async-scheduling"]
 
 
 def _cuda_available() -> bool:
