@@ -242,7 +242,7 @@ class Sampler:
         filtered = np.flatnonzero((top_k > 0) | (top_p < 1.0))
         if filtered.size:
             idx = _index(filtered, dev)
-            logits[idx] = _top_k_top_p(logits[idx], top_k[filtered], top_p[filtered])
+            logits[idx] = _top_k_top_p(logits[idx], top_k[filtered], top_p[filtered], sync_free=logits.is_cuda)
         min_p = p.min_p[rows]
         if (min_p > 0).any():
             probs = logits.softmax(dim=-1)
@@ -281,20 +281,26 @@ def _index(rows: np.ndarray, device: torch.device) -> torch.Tensor:
     return _h2d(rows.astype(np.int64), device)
 
 
-# top-p without top-k looks for its cut among this many most likely tokens
-# first, and sorts the whole vocabulary only when their mass is below top_p.
+# On the CPU, top-p without top-k looks for its cut among this many most likely
+# tokens first, and sorts the whole vocabulary only when their mass is below
+# top_p. On a GPU that check would make the host wait for the step's logits
+# (`sync_free`): there the whole vocabulary is sorted at once.
 _TOP_P_CANDIDATES = 1024
 
 
-def _top_k_top_p(logits: torch.Tensor, top_k: np.ndarray, top_p: np.ndarray) -> torch.Tensor:
+def _top_k_top_p(logits: torch.Tensor, top_k: np.ndarray, top_p: np.ndarray, sync_free: bool = False) -> torch.Tensor:
     """Rows that filter (top_k > 0 or top_p < 1): mask all but the top_k
     largest logits, then all but the smallest prefix of the (renormalised)
     sorted distribution whose mass reaches top_p.
-    probs sorted [0.5, 0.3, 0.2], top_p=0.7 -> keep [0.5, 0.3]."""
+    probs sorted [0.5, 0.3, 0.2], top_p=0.7 -> keep [0.5, 0.3].
+    sync_free: never read a device value on the host (the GPU path)."""
     vocab = logits.shape[1]
     has_k = top_k > 0
     k = np.where(has_k, np.minimum(top_k, vocab), vocab)
-    num_candidates = int(max(k[has_k].max(initial=0), _TOP_P_CANDIDATES if (~has_k).any() else 0))
+    top_p_alone = (~has_k).any()
+    if top_p_alone and sync_free:
+        return _top_k_top_p_among(logits, k, top_p, vocab)  # all candidates: no fallback to decide
+    num_candidates = int(max(k[has_k].max(initial=0), _TOP_P_CANDIDATES if top_p_alone else 0))
     out = _top_k_top_p_among(logits, k, top_p, min(num_candidates, vocab))
     if out is None:  # some top-p cut lies beyond the candidates
         out = _top_k_top_p_among(logits, k, top_p, vocab)

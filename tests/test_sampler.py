@@ -113,8 +113,9 @@ def reference_kept(logits: np.ndarray, top_k: int, top_p: float) -> set[int]:
     return set(order[(mass_before < top_p) | (np.arange(len(order)) == 0)].tolist())
 
 
+@pytest.mark.parametrize("sync_free", [False, True])  # the CPU's candidates-first path, the GPU's full sort
 @pytest.mark.parametrize("scale", [0.5, 8.0])  # flat (cut past the candidates) and peaked
-def test_top_k_top_p_kept_sets_match_a_full_sort(scale):
+def test_top_k_top_p_kept_sets_match_a_full_sort(scale, sync_free):
     from runner.sampler import _top_k_top_p
 
     g = torch.Generator().manual_seed(5)
@@ -122,7 +123,7 @@ def test_top_k_top_p_kept_sets_match_a_full_sort(scale):
     logits = torch.randn(6, vocab, generator=g, dtype=torch.float64).float() * scale
     top_k = np.array([0, 0, 50, 2000, 0, 1500], dtype=np.int32)
     top_p = np.array([0.9, 0.3, 0.8, 0.95, 0.999, 1.0], dtype=np.float32)
-    out = _top_k_top_p(logits.clone(), top_k, top_p)
+    out = _top_k_top_p(logits.clone(), top_k, top_p, sync_free=sync_free)
     for i in range(6):
         kept = set(torch.isfinite(out[i]).nonzero().flatten().tolist())
         assert kept == reference_kept(logits[i].double().numpy(), int(top_k[i]), float(top_p[i]))

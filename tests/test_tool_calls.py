@@ -1,7 +1,7 @@
-"""Tool calling: the Hermes parser over recorded model outputs (whole and
-streamed in random pieces), the streaming of grammar-constrained calls, the
-rendering of tools into prompts, and the server end to end on the tiny
-random model (tool_choice required / named constrain the output; for auto, a
+"""Tool calling: the Hermes and llama3_json parsers over recorded model
+outputs (whole and streamed in random pieces), the streaming of
+grammar-constrained calls, the rendering of tools into prompts, and the
+server end to end on the tiny random model (tool_choice required / named constrain the output; for auto, a
 guided regex makes the model write the Hermes format)."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from openai import OpenAI
 from server.tool_calls import ToolCallStream, ToolContext, _RequiredCallsStream, prepare_tools, render_with_tools
 from server.tool_parsers import (
     ContentDelta,
+    ExtractedToolCalls,
     ToolCallArguments,
     ToolCallStart,
     get_tool_parser,
@@ -118,6 +119,154 @@ def test_hermes_streaming_holds_back_only_what_may_start_a_call():
     assert s.finish() == []
 
 
+# ---------------------------------------------------------------------------
+# The Llama 3.1 / 3.2 JSON parser (llama3_json) on recorded outputs
+# ---------------------------------------------------------------------------
+
+LLAMA3 = get_tool_parser("llama3_json")
+L_CALL = '{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}'
+L_PARIS = ("get_weather", {"city": "Paris", "days": 2})
+LLAMA3_CALLS = [
+    # (model output, expected [(name, arguments)]): the output is only calls, content None
+    (L_CALL, [L_PARIS]),
+    (L_CALL + "; " + L_CALL.replace("Paris", "Rome"), [L_PARIS, ("get_weather", {"city": "Rome", "days": 2})]),
+    ('<|python_tag|>{"name": "get_time", "parameters": {"zone": "UTC+1"}}', [("get_time", {"zone": "UTC+1"})]),
+    ('{"name": "get_time", "arguments": {"zone": "UTC-2"}}', [("get_time", {"zone": "UTC-2"})]),
+    ('\n <|python_tag|>\n' + L_CALL + ' ;\n{"name": "get_time", "arguments": {}};\n',
+     [L_PARIS, ("get_time", {})]),
+    (L_CALL + "\n" + L_CALL, [L_PARIS, L_PARIS]),  # as the history is written back: one call a line
+    ('{"name": "get_time", "parameters": "{\\"zone\\": \\"UTC+1\\"}"}', [("get_time", {"zone": "UTC+1"})]),
+    ('{"type": "function", "name": "get_weather", "parameters": {"city": "Pa}ris\\"{", "days": [1, {"a": 2}]}}',
+     [("get_weather", {"city": 'Pa}ris"{', "days": [1, {"a": 2}]})]),
+]
+LLAMA3_CONTENT = [  # outputs that are content, whole
+    "It is sunny in Paris today.",
+    "  Call it as {\"name\": \"get_time\", \"parameters\": {}}.",
+    '<|python_tag|>brave_search.call(query="weather in Paris")',
+    "<|python",
+    "<b>bold</b>",
+    '{"name": get_weather, "parameters": {}}',  # malformed JSON
+    '{"name": "get_weather", "parameters": [1, 2]}',  # arguments not an object
+    '{"name": "get_weather", "parameters": "Paris"}',
+    '{"name": "get_weather", "arguments": "{oops"}',
+    '{"name": "", "parameters": {}}',
+    '{"city": "Paris", "days": 2}',  # a JSON answer, not a call
+    '{"name": "Bob", "age": 3}',
+    '["get_weather", {"city": "Paris"}]',
+    '{"name": "get_weather", "parameters": {"city": "Par',  # cut short
+    '{"name": 7, "parameters": {}}; ' + L_CALL,  # a bad first call: nothing is a call
+    "",
+]
+
+
+@pytest.mark.parametrize("text,calls", LLAMA3_CALLS)
+def test_llama3_json_extracts_calls(text, calls):
+    got = LLAMA3.extract(text)
+    assert got.content is None
+    assert [(c.name, json.loads(c.arguments)) for c in got.tool_calls] == calls
+    assert all(isinstance(json.loads(c.arguments), dict) for c in got.tool_calls)
+    assert all(c.id.startswith("call_") for c in got.tool_calls)
+    assert len({c.id for c in got.tool_calls}) == len(got.tool_calls)
+
+
+# text after a call: content in a stream (the call was sent), all content for extract
+LLAMA3_TAILS = [" Done.", '; {"name": "get_ti', "; {oops}", "}", ", " + L_CALL, ";; " + L_CALL]
+
+
+@pytest.mark.parametrize("text", LLAMA3_CONTENT + [L_CALL + tail for tail in LLAMA3_TAILS])
+def test_llama3_json_leaves_what_is_not_only_calls_as_content(text):
+    assert LLAMA3.extract(text) == ExtractedToolCalls(text, [])
+
+
+@pytest.mark.parametrize("text,calls", LLAMA3_CALLS)
+def test_llama3_json_streams_calls(text, calls):
+    for seed in range(8):
+        s = LLAMA3.streaming()
+        content, got_calls, _ = _stream(s, text, random.Random(seed))
+        assert content == ""
+        assert [(n, json.loads(a)) for n, a in got_calls] == calls
+        assert s.num_tool_calls == len(calls)
+
+
+@pytest.mark.parametrize("text", LLAMA3_CONTENT)
+def test_llama3_json_streams_content_whole(text):
+    for seed in range(8):
+        s = LLAMA3.streaming()
+        content, calls, _ = _stream(s, text, random.Random(seed))
+        assert content == text and calls == [] and s.num_tool_calls == 0
+
+
+def test_llama3_json_streaming_holds_back_only_while_it_may_be_calls():
+    s = LLAMA3.streaming()
+    assert s.feed(" \n<|py") == []
+    assert s.feed("thon_tag|> ") == []
+    assert s.feed('{"name": "get_time", "para') == []
+    ev = s.feed('meters": {"zone": "UTC+1"}}')  # a call goes out once its object is complete
+    assert [type(e) for e in ev] == [ToolCallStart, ToolCallArguments]
+    assert ev[0].index == 0 and ev[0].name == "get_time" and ev[0].id.startswith("call_")
+    assert ev[1] == ToolCallArguments(0, '{"zone": "UTC+1"}')
+    assert s.num_tool_calls == 1
+    assert s.feed('; {"name": "get_weather", "arguments": {"city": "Oslo", "days": 1}') == []
+    ev = s.feed("}\n")
+    assert ev[0].index == 1 and ev[0].name == "get_weather"
+    assert ev[1] == ToolCallArguments(1, '{"city": "Oslo", "days": 1}')
+    assert s.finish() == [] and s.num_tool_calls == 2
+
+    # clearly not calls: everything held back goes out, then text passes straight through
+    s = LLAMA3.streaming()
+    assert s.feed("  <") == []
+    assert s.feed("b>") == [ContentDelta("  <b>")]
+    assert s.feed("hi") == [ContentDelta("hi")]
+    assert s.feed('{"name": "f", "parameters": {}}') == [ContentDelta('{"name": "f", "parameters": {}}')]
+    assert s.finish() == [] and s.num_tool_calls == 0
+    s = LLAMA3.streaming()
+    assert s.feed("<|python_tag|>") == []
+    assert s.feed("print(1)") == [ContentDelta("<|python_tag|>print(1)")]
+    # a complete object that is not a call is content at once, not only at the end
+    s = LLAMA3.streaming()
+    assert s.feed('{"name": get_weather, ') == []
+    assert s.feed('"parameters": {}} and') == [ContentDelta('{"name": get_weather, "parameters": {}} and')]
+    assert s.feed(" more") == [ContentDelta(" more")]
+    assert s.finish() == []
+    # held text that never became calls goes out at the end, as one delta
+    s = LLAMA3.streaming()
+    assert s.feed(' {"name": "get_time", "parameters": {"zone": "UT') == []
+    assert s.finish() == [ContentDelta(' {"name": "get_time", "parameters": {"zone": "UT')]
+    assert s.num_tool_calls == 0
+
+
+@pytest.mark.parametrize("tail", LLAMA3_TAILS)
+def test_llama3_json_streaming_keeps_text_after_a_sent_call_as_content(tail):
+    # a call already sent cannot be taken back; what follows it is not lost
+    for seed in range(5):
+        s = LLAMA3.streaming()
+        content, calls, _ = _stream(s, L_CALL + tail, random.Random(seed))
+        assert [(n, json.loads(a)) for n, a in calls] == [L_PARIS] and s.num_tool_calls == 1
+        assert content == tail.strip()
+
+
+def test_llama3_json_is_registered_and_writes_its_own_format():
+    from server.cli import build_parser
+    from server.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
+    from server.tool_parsers.llama3_json import Llama3JsonToolParser
+
+    assert isinstance(LLAMA3, Llama3JsonToolParser) and LLAMA3.name == "llama3_json"
+    assert TOOL_PARSERS["llama3_json"] is Llama3JsonToolParser and DEFAULT_TOOL_PARSER == "hermes"
+    assert build_parser().parse_args(["serve", "--tool-call-parser", "llama3_json"]).tool_call_parser == "llama3_json"
+    written = LLAMA3.format_tool_call("get_weather", '{"city": "Paris"}')
+    assert written == '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    written_obj = LLAMA3.format_tool_call("get_time", {"zone": "UTC+1"})
+    assert written_obj == '{"name": "get_time", "parameters": {"zone": "UTC+1"}}'
+    got = LLAMA3.extract(written)
+    assert got.content is None
+    assert [(c.name, c.arguments) for c in got.tool_calls] == [("get_weather", '{"city": "Paris"}')]
+    prompt = LLAMA3.tools_system_prompt(TOOLS)
+    assert '{"name": function name, "parameters": dictionary of argument name and its value}' in prompt
+    for tool in TOOLS:  # each tool's JSON, whole
+        assert json.dumps(tool, indent=4) in prompt
+    assert "<tool_call>" not in prompt and LLAMA3.format_tool_result("sunny") == "sunny"
+
+
 def test_required_calls_stream_as_they_come():
     text = ('[{"name": "get_weather", "arguments": {"city": "Pa}ris\\"", "days": [1, {"a": 2}]}}, '
             '{"name": "get_time", "arguments": {}}]')
@@ -191,6 +340,12 @@ def test_a_template_that_ignores_tools_gets_a_hermes_system_message(tiny_model_d
     # without tools, nothing is injected
     plain = _render(tiny_model_dir, None, MSGS, None)
     assert "<tools>" not in plain and plain.startswith("<|im_start|>user")
+
+
+def test_a_template_that_ignores_tools_gets_a_llama3_json_system_message(tiny_model_dir):
+    text = _render(tiny_model_dir, None, HISTORY, prepare_tools(_Req(tools=TOOLS), LLAMA3))
+    assert text.startswith("<|im_start|>system\n") and '"parameters": dictionary of argument name' in text
+    assert '{"name": "get_weather", "parameters": {"city": "Paris"}}' in text and "<tool_call>" not in text
 
 
 def test_tool_choice_none_renders_and_parses_nothing():

@@ -21,9 +21,11 @@ from server.tool_parsers.base import (
     tool_call_id,
 )
 from server.tool_parsers.hermes import HermesToolParser
+from server.tool_parsers.llama3_json import Llama3JsonToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
+    "llama3_json": Llama3JsonToolParser,  # Llama 3.1 / 3.2: {"name": ..., "parameters": ...}; ...
     "qwen": HermesToolParser,  # Qwen2.5 / Qwen3 use the Hermes format
 }
 DEFAULT_TOOL_PARSER = "hermes"
