@@ -39,7 +39,8 @@ from server.protocol import (
     VersionResponse,
 )
 from server.serving_chat import ChatHandler, messages_for_template, render_chat
-from server.serving_common import Admission, ServingState, TokenText
+from server.logprobs import TokenText
+from server.serving_common import Admission, ServingState
 from server.serving_completions import CompletionHandler
 from server.tool_parsers import DEFAULT_TOOL_PARSER, get_tool_parser
 

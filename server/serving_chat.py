@@ -31,15 +31,14 @@ from server.protocol import (
 from server.serving_common import (
     Sequence,
     ServingState,
-    TokenText,
     build_sampling_params,
     check_context_length,
     child_params,
     random_id,
     respond,
-    split_position,
     usage_info,
 )
+from server.logprobs import TokenText, split_position
 from server.sse import DONE, sse_event
 from server.structured_outputs import structured_output_spec
 from server.tool_calls import (
