@@ -480,7 +480,7 @@ def bench_main(argv: list[str] | None = None, prog: str = "serval bench offline"
         "max_model_len": max_model_len,
         "block_size": args.block_size,
         "cuda_graphs": torch.cuda.is_available() and not args.enforce_eager,
-        "async_scheduling": torch.cuda.is_available() if args.async_scheduling is None else args.async_scheduling,
+        "async_scheduling": config.async_scheduling_on(config.device),
     }
     record = {
         "bench": "offline",

@@ -17,6 +17,7 @@ Triton kernels compile in about a second on first use (cached under
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -313,12 +314,10 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
 
 
 # ---------------------------------------------------------------------------
-
-# ---------------------------------------------------------------------------
 # Linear: a Triton GEMV for one-row inputs where it beats cuBLAS
 # ---------------------------------------------------------------------------
 
-# Measured on the H200 (bench/bench_kernels.py, bench/results/kernels_h200.json),
+# Measured on the H200 (bench/bench_kernels.py, bench/results/kernels_linear_h200.txt),
 # Llama-3.1-8B shapes at batch 1, device time per call: qkv 15.4 -> 14.3 us,
 # o 13.4 -> 10.8 us, down 31.1 -> 30.2 us (and no split-K reduce kernel);
 # gate_up (28672 x 4096) is faster in cuBLAS (54.7 vs 57.0 us), so weights of
@@ -326,6 +325,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
 GEMV_MAX_ELEMENTS = 64 << 20
 
 
+@functools.lru_cache(maxsize=None)
 def _gemv_config(n: int, k: int) -> GemvConfig:
     """The sweep's winners: 4 rows per program up to N = 4096, else 8; 8 warps from ~20M elements."""
     return GemvConfig(block_n=4 if n <= 4096 else 8, block_k=512, num_warps=8 if n * k > (20 << 20) else 4,

@@ -160,11 +160,9 @@ def build_engine_core(config: EngineConfig) -> tuple[EngineCore, EngineInfo]:
         enable_prefix_caching=config.enable_prefix_caching,
         enable_chunked_prefill=True,
     )
-    async_scheduling = config.async_scheduling
-    if async_scheduling is None:
-        async_scheduling = device.type == "cuda"
     core = EngineCore(
-        scheduler_config, runner, num_blocks, grammar_cache=grammar_cache, async_scheduling=async_scheduling
+        scheduler_config, runner, num_blocks, grammar_cache=grammar_cache,
+        async_scheduling=config.async_scheduling_on(device.type),
     )
     info = EngineInfo(
         model=config.served_model_name or source.name,

@@ -78,6 +78,10 @@ class EngineConfig:
     # None: on for CUDA (the host work hides behind the GPU's), off on the CPU (nothing to overlap)
     async_scheduling: bool | None = None
 
+    def async_scheduling_on(self, device_type: str) -> bool:
+        """async_scheduling, with None resolved for the device the engine runs on."""
+        return device_type == "cuda" if self.async_scheduling is None else self.async_scheduling
+
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"--load-format must be 'auto' or 'dummy', got {self.load_format!r}")

@@ -33,7 +33,6 @@ T = TypeVar("T")
 logger = logging.getLogger("serval.server")
 
 
-
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 

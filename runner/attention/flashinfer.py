@@ -14,8 +14,9 @@ The prefill wrapper and the tensor-core decode share one FA2 JIT module per
 The KV cache layout is FlashInfer's NHD paged layout,
 `[num_blocks, 2, block_size, num_kv_heads, head_dim]`. Each layer first
 rotates q and k and writes k/v through the slot mapping (one Triton kernel:
-the backend `applies_rope`), then attends. The page table FlashInfer reads is built on the host from the block
-table, e.g. seq_lens=[5, 1], block_size=4, block_table=[[7, 2], [9, 0]]:
+the backend `applies_rope`), then attends. The page table FlashInfer reads is
+built on the host from the block table, e.g. seq_lens=[5, 1], block_size=4,
+block_table=[[7, 2], [9, 0]]:
     kv_indptr = [0, 2, 3]   kv_indices = [7, 2, 9]   kv_last_page_len = [1, 1]
 
 CUDA graphs (decode only): one decode wrapper per graph batch size, built
