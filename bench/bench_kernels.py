@@ -8,8 +8,13 @@
    graph of 32 calls over 32 different weight copies (as the 32 layers of a
    step: nothing stays in the 50 MB L2), so the figure is device time per
    call with no launch gaps; bytes / time gives the read bandwidth.
-2. FlashInfer's paged decode with and without tensor cores, over the
-   shapes of the offline benchmarks, the same way (32 calls per graph).
+2. A sublayer's entry at batch 1: add + RMSNorm + matmul (qkv) and add +
+   RMSNorm + matmul + SiLU-and-mul (gate_up) as the separate kernels against
+   runner/gemv.py's fused GEMV over a sweep of its configs.
+3. Paged decode attention over the shapes of the offline benchmarks, the
+   same way (32 calls per graph): FlashInfer with and without tensor cores,
+   and runner/attention/triton_decode.py at its default split count and at
+   the best of a sweep.
 """
 
 from __future__ import annotations
@@ -118,16 +123,69 @@ def bench_linears(sweep: list) -> dict:
     return results
 
 
+def bench_fused(sweep: list) -> dict:
+    """Unfused (norm kernel, matmul, activation kernel) against the fused GEMV, per call."""
+    from runner import cuda_ops
+    from runner.gemv import NormInput, gemv, supports
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    results = {}
+    for name, gated in (("qkv", False), ("gate_up", True)):
+        N, K = LINEARS[name]
+        ws = [torch.randn(N, K, device=dev, dtype=dt) * 0.02 for _ in range(LAYERS)]
+        x, res = torch.randn(1, K, device=dev, dtype=dt), torch.randn(1, K, device=dev, dtype=dt)
+        nw = torch.ones(K, device=dev, dtype=dt)
+        norm = NormInput(res, nw, 1e-5)
+
+        def unfused(w):
+            h, _ = cuda_ops.fused_add_rms_norm(x.clone(), res.clone(), nw, 1e-5)
+            y = cuda_ops.linear(h, w, None)
+            return cuda_ops.silu_and_mul(y) if gated else y
+
+        def per_call(fn) -> float:
+            return time_graph(lambda: [fn(w) for w in ws]) / LAYERS
+
+        row: dict = {"N": N, "K": K, "gated": gated, "unfused_us": per_call(unfused) * 1e3}
+        ref = unfused(ws[0]).float()
+        best = None
+        for cfg in sweep:
+            if not supports(x, ws[0], cfg):
+                continue
+            try:
+                out, _ = gemv(x, ws[0], cfg, norm=norm, gated=gated)
+                err = (out.float() - ref).norm().item() / ref.norm().item()
+                t = per_call(lambda w: gemv(x, w, cfg, norm=norm, gated=gated))
+            except Exception as e:  # a config Triton cannot build
+                print(f"  fused {name} {cfg}: {type(e).__name__}: {str(e)[:120]}")
+                continue
+            if best is None or t < best[0]:
+                best = (t, cfg, err)
+        if best is not None:
+            t, cfg, err = best
+            row["fused_us"], row["fused_tb_s"] = t * 1e3, N * K * 2 / (t * 1e-3) / 1e12
+            row["fused_config"], row["fused_rel_err"] = cfg.__dict__, err
+        results[name] = row
+        print(f"fused {name:8s} unfused {row['unfused_us']:7.1f} us"
+              + (f" | fused {row['fused_us']:7.1f} us {row['fused_tb_s']:.2f} TB/s {cfg} err {err:.1e}" if best else ""),
+              flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    return results
+
+
 def bench_decode_attention() -> dict:
     from flashinfer import BatchDecodeWithPagedKVCacheWrapper
+
+    from runner.attention.triton_decode import DecodeScratch, num_splits_for, paged_decode
 
     dev, dt, page = torch.device("cuda"), torch.bfloat16, 16
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     cases = [  # (label, num_qo_heads, num_kv_heads, head_dim, batch, context)
         (f"{model}_b{batch}_ctx{ctx}", hq, hkv, 128, batch, ctx)
         for model, hq, hkv in (("llama8b", 32, 8), ("qwen3_0.6b", 16, 8))
-        for batch in (1, 4, 16, 64, 128, 256)
-        for ctx in (256, 1500)
+        for batch in (1, 2, 4, 8, 16, 32, 64, 128, 256)
+        for ctx in (256, 1500, 8192)
+        if batch * ctx <= 256 * 1500
     ]
     results = {}
     for label, hq, hkv, d, batch, ctx in cases:
@@ -155,10 +213,23 @@ def bench_decode_attention() -> dict:
             t = time_graph(lambda: [wrapper.run(q, c, out=out) for c in calls]) / LAYERS
             key = "tensor_cores" if tc else "cuda_cores"
             row[f"{key}_us"], row[f"{key}_tb_s"] = t * 1e3, kv_bytes / (t * 1e-3) / 1e12
+        # the one-launch Triton kernel, over the same pages
+        table = torch.arange(num_pages, dtype=torch.int32, device=dev).view(batch, pages_per_req)
+        seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+        scratch = DecodeScratch(dev, batch, hq, hkv, d)
+        default = num_splits_for(batch, hkv)
+        by_splits = {}
+        for splits in sorted({1, 2, 4, 8, 16, 32, default}):
+            t = time_graph(lambda: [paged_decode(q, c, table, seq_lens, d**-0.5, scratch, out, splits)
+                                    for c in calls]) / LAYERS
+            by_splits[splits] = t * 1e3
+        row["triton_us"], row["triton_splits"] = by_splits[default], default
+        row["triton_best_us"], row["triton_best_splits"] = min((t, s) for s, t in by_splits.items())
         row["kv_floor_us"] = kv_bytes / READ_BW * 1e6
         results[label] = row
         print(f"{label:26s} tensor cores {row['tensor_cores_us']:8.1f} us ({row['tensor_cores_tb_s']:.2f} TB/s)"
-              f" | CUDA cores {row['cuda_cores_us']:8.1f} us ({row['cuda_cores_tb_s']:.2f} TB/s)"
+              f" | CUDA cores {row['cuda_cores_us']:8.1f} us | triton {row['triton_us']:8.1f} us ({default} splits;"
+              f" best {row['triton_best_us']:.1f} at {row['triton_best_splits']})"
               f" | KV floor {row['kv_floor_us']:.1f} us", flush=True)
         del caches
         torch.cuda.empty_cache()
@@ -178,6 +249,20 @@ def tensor_cores_from(attention: dict, model: str) -> int:
     return threshold
 
 
+def triton_decode_max_batch(attention: dict, model: str) -> int:
+    """The largest batch up to which the Triton decode (default splits) is at
+    least as fast as FlashInfer's tensor-core decode at every measured batch
+    and context (0: not even at batch 1)."""
+    rows = [r for label, r in attention.items() if label.startswith(model + "_b")]
+    limit = 0
+    for batch in sorted({r["batch"] for r in rows}):
+        if all(r["triton_us"] <= r["tensor_cores_us"] for r in rows if r["batch"] == batch):
+            limit = batch
+        else:
+            break
+    return limit
+
+
 def default_sweep() -> list:
     from runner.gemv import GemvConfig
 
@@ -187,11 +272,21 @@ def default_sweep() -> list:
     ]
 
 
+def fused_sweep() -> list:
+    from runner.gemv import GemvConfig
+
+    return [
+        GemvConfig(block_n=n, block_k=k, num_warps=w, num_stages=s)
+        for n, k, w, s in itertools.product((2, 4, 8), (256, 512, 1024), (4, 8), (2, 4))
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench/results/kernels_h200.json")
     p.add_argument("--skip-attention", action="store_true")
     p.add_argument("--skip-linears", action="store_true")
+    p.add_argument("--skip-fused", action="store_true")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels.py needs CUDA")
@@ -204,10 +299,14 @@ def main(argv: list[str] | None = None) -> int:
     }
     if not args.skip_linears:
         record["linears_bf16"] = bench_linears(default_sweep())
+    if not args.skip_fused:
+        record["fused_b1_bf16"] = bench_fused(fused_sweep())
     if not args.skip_attention:
         attention = record["decode_attention_bf16"] = bench_decode_attention()
         record["decode_tensor_cores_from"] = {m: tensor_cores_from(attention, m) for m in ("llama8b", "qwen3_0.6b")}
         print("tensor-core decode from batch:", record["decode_tensor_cores_from"])
+        record["triton_decode_max_batch"] = {m: triton_decode_max_batch(attention, m) for m in ("llama8b", "qwen3_0.6b")}
+        print("Triton decode up to batch:", record["triton_decode_max_batch"])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {args.out}")

@@ -7,7 +7,7 @@
 #   bench/h200_session.sh smoke bench-small tests          # first call
 #   bench/h200_session.sh bench-diag bench-big serve tests # later
 #
-# Stages: smoke, tests, structured (bench_structured.py on the GPU), bench-small (Llama-3.1-8B batch 1 + HF baseline,
+# Stages: smoke, tests, kernels (bench_kernels.py without the linear sweep), structured (bench_structured.py on the GPU), bench-small (Llama-3.1-8B batch 1 + HF baseline,
 # Qwen3-0.6B 256 requests), bench-diag (the same two, no baseline, as *_v2; alone: llama-b1, qwen-256),
 # bench-big (Llama-3.1-8B 1000 x 1000/1000, max_num_seqs 256),
 # bench-big384 (the same, max_num_seqs 384), serve. BENCH_FLAGS is appended to
@@ -124,6 +124,9 @@ print('prefill/mixed ok', b.forward(L, q, k, k.clone(), cache, b.build_metadata(
       stage llama8b_1000 300 python3 -m server.cli bench offline --model llama-3.1-8b --num-prompts 1000 \
         --input-len 1000 --output-len 1000 --max-num-seqs 256 --max-num-batched-tokens 8192 \
         --name llama-3.1-8b_1000req_1000in_1000out${SUFFIX:-} --results-dir "$OUT" ${BENCH_FLAGS:-} ;;
+    kernels)
+      # micro-benchmarks: fused norm+GEMV against the unfused kernels; decode attention (FlashInfer, Triton)
+      stage kernels 240 python3 bench/bench_kernels.py --skip-linears --out "$OUT/kernels${SUFFIX:-}.json" ;;
     structured)
       # guided decoding on the GPU: SmolLM2-135M shape, dummy weights, the real tokenizer
       # (.gpu_models/smollm2-135m: config.json + tokenizer files, carried; not in git)
@@ -151,7 +154,10 @@ printf '  %s\n' "${SUMMARY[@]}" | tee -a "$LOG"
 for f in "$OUT"/*.json; do
   [ -f "$f" ] && python3 - "$f" <<'EOF' | tee -a "$LOG"
 import json, sys
-r = json.load(open(sys.argv[1])); m, fl = r["metrics"], r["floor"]
+r = json.load(open(sys.argv[1]))
+if "metrics" not in r:
+    sys.exit(0)
+m, fl = r["metrics"], r["floor"]
 line = f"{sys.argv[1].rsplit('/', 1)[-1]}: out {m['output_tok_s']:.0f} tok/s, total {m['total_tok_s']:.0f} tok/s, run/floor speed {fl['achieved_over_floor']:.2f}"
 if "ms_per_decode_step" in m:
     line += f", decode {m['ms_per_decode_step']:.3f} ms (floor {fl['ms_per_decode_step']:.3f}, batch {m['mean_decode_batch']:.0f})"

@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from models.config import ModelConfig
-from models.layers.activation import SiluAndMul
 from models.layers.attention import Attention
 from models.layers.embedding import LMHead, VocabEmbedding
 from models.layers.linear import Linear, MergedLinear
@@ -32,15 +31,17 @@ class WeightLoadError(ValueError):
 
 
 class MLP(nn.Module):
+    """down_proj(silu(gate) * up). The decoder layer runs gate_up_proj and the
+    activation fused with the norm before them (RMSNorm.forward_linear)."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         size = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size})
-        self.act_fn = SiluAndMul()
         self.down_proj = Linear(size, config.hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    def forward(self, gated: torch.Tensor) -> torch.Tensor:  # [num_tokens, intermediate] -> [num_tokens, hidden]
+        return self.down_proj(gated)
 
 
 class DecoderLayer(nn.Module):
@@ -57,16 +58,15 @@ class DecoderLayer(nn.Module):
         hidden: torch.Tensor,  # [num_tokens, hidden]: the previous layer's MLP output
         residual: torch.Tensor | None,  # [num_tokens, hidden]; None at layer 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual add of each sublayer is fused into the next norm:
-        # residual' = hidden + residual; hidden' = norm(residual').
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        # Each sublayer starts with residual' = hidden + residual, then its
+        # first projection of norm(residual'): one op (RMSNorm.forward_linear),
+        # so a GPU kernel can do the add, the norm and the matmul in one pass.
+        qkv, residual = self.input_layernorm.forward_linear(hidden, residual, self.self_attn.qkv_proj)
+        hidden = self.self_attn(positions, qkv)
+        gated, residual = self.post_attention_layernorm.forward_linear(
+            hidden, residual, self.mlp.gate_up_proj, gated=True
+        )
+        return self.mlp(gated), residual
 
 
 class DecoderModel(nn.Module):

@@ -4,8 +4,10 @@
     install_cuda_ops()     # once at start-up, when the engine runs on CUDA
 
 swaps `rms_norm`, `fused_add_rms_norm`, `rotary_embedding` and
-`silu_and_mul` for one-launch kernels, and `linear` for a GEMV on one-row
-inputs (runner/gemv.py); the models stay plain torch. Each
+`silu_and_mul` for one-launch kernels, and `linear` and `add_rms_norm_linear`
+for GEMVs on one-row inputs (runner/gemv.py: at batch 1 a sublayer's norm,
+its first matmul and the MLP's activation are one launch); the models stay
+plain torch. Each
 kernel keeps the reference's signature and rounding where it is cheap to
 (normalise in float32, round, then scale by the weight in the model dtype, as
 HF does); rope computes in float32 and rounds once, so it may differ from the
@@ -26,7 +28,7 @@ import triton
 import triton.language as tl
 
 from models.layers import ops
-from runner.gemv import GemvConfig, gemv
+from runner.gemv import GemvConfig, NormInput, gemv
 from runner.gemv import supports as gemv_supports
 
 logger = logging.getLogger(__name__)
@@ -326,8 +328,11 @@ GEMV_MAX_ELEMENTS = 64 << 20
 
 
 @functools.lru_cache(maxsize=None)
-def _gemv_config(n: int, k: int) -> GemvConfig:
-    """The sweep's winners: 4 rows per program up to N = 4096, else 8; 8 warps from ~20M elements."""
+def _gemv_config(n: int, k: int, gated: bool = False) -> GemvConfig:
+    """The sweep's winners: 4 rows per program up to N = 4096, else 8; 8 warps
+    from ~20M elements. Gated (n = 2 * d rows): 4 rows of gate and 4 of up."""
+    if gated:
+        return GemvConfig(block_n=4, block_k=512, num_warps=8, num_stages=4)
     return GemvConfig(block_n=4 if n <= 4096 else 8, block_k=512, num_warps=8 if n * k > (20 << 20) else 4,
                       num_stages=4)
 
@@ -338,13 +343,34 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     if x.shape[0] == 1 and x.dim() == 2 and weight.numel() <= GEMV_MAX_ELEMENTS:
         config = _gemv_config(*weight.shape)
         if gemv_supports(x, weight, config):
-            y = gemv(x, weight, config)
-            return y if bias is None else y + bias
+            return gemv(x, weight, config, bias=bias)
     return F.linear(x, weight, bias)
+
+
+def add_rms_norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    gated: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ops.add_rms_norm_linear; a one-row input (batch-1 decode) is one GEMV
+    launch with the norm (and the activation) inside, at any weight size: it
+    replaces two or three launches, which outweighs cuBLAS's edge on the
+    largest shapes (bench/results/kernels_linear_h200.txt). More rows: the
+    norm kernel, the matmul, the activation kernel."""
+    if x.shape[0] == 1 and x.dim() == 2 and (residual is None or residual.stride(-1) == 1):
+        config = _gemv_config(*weight.shape, gated)
+        if gemv_supports(x, weight, config):
+            return gemv(x, weight, config, bias=bias, norm=NormInput(residual, norm_weight, eps), gated=gated)
+    return ops.add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias, gated)
 
 
 CUDA_OPS = {
     "linear": linear,
+    "add_rms_norm_linear": add_rms_norm_linear,
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
     "rotary_embedding": rotary_embedding,
@@ -363,8 +389,8 @@ def install_cuda_ops() -> None:
 
 
 def _cuda_or_reference(kernel, reference):
-    def op(first: torch.Tensor, *args):
-        return kernel(first, *args) if first.is_cuda else reference(first, *args)
+    def op(first: torch.Tensor, *args, **kwargs):
+        return kernel(first, *args, **kwargs) if first.is_cuda else reference(first, *args, **kwargs)
 
     op.__name__ = kernel.__name__
     return op

@@ -22,6 +22,8 @@ CASES = {
     "decode": ([3, 40, 0, 17, 100, 31], [1, 1, 1, 1, 1, 1]),
     # the same batch on FlashInfer's CUDA-core decode kernel (tensor cores switched off for it)
     "decode_cuda_cores": ([3, 40, 0, 17, 100, 31], [1, 1, 1, 1, 1, 1]),
+    # and on the one-launch Triton kernel for small decode batches (triton_decode.py)
+    "decode_triton": ([3, 40, 0, 17, 100, 31], [1, 1, 1, 1, 1, 1]),
     "mixed": ([0, 9, 5, 17], [7, 1, 6, 1]),
     "chunked": ([16, 33, 0], [16, 9, 20]),
 }
@@ -60,6 +62,7 @@ def test_flashinfer_matches_torch_backend(case, block_size, heads, monkeypatch):
     import runner.attention.flashinfer as fi_module
 
     monkeypatch.setattr(fi_module, "DECODE_TENSOR_CORES_FROM", 10**9 if case == "decode_cuda_cores" else 1)
+    monkeypatch.setattr(fi_module, "TRITON_DECODE_MAX_BATCH", 8 if case == "decode_triton" else 0)
     ctx_lens, q_lens = CASES[case]
     inputs, cache, q, k, v, (qs, ks, vs, tables) = paged_case(ctx_lens, q_lens, block_size, heads, seed=list(CASES).index(case))
     layer = FakeLayer(*heads)
@@ -67,8 +70,9 @@ def test_flashinfer_matches_torch_backend(case, block_size, heads, monkeypatch):
     fi = make_backend("flashinfer", heads, block_size)
     fi_cache = cache.clone()
     meta = fi.build_metadata(inputs)
-    assert (meta.wrapper in fi.decode_wrappers.values()) == case.startswith("decode")
-    if case.startswith("decode"):
+    assert (meta.triton_decode is not None) == (case == "decode_triton")
+    assert (meta.wrapper in fi.decode_wrappers.values()) == case in ("decode", "decode_cuda_cores")
+    if meta.wrapper in fi.decode_wrappers.values():
         assert meta.wrapper.use_tensor_cores == (case == "decode")
     out = fi.forward(layer, q.clone(), k.clone(), v.clone(), fi_cache, meta)
 
@@ -85,6 +89,36 @@ def test_flashinfer_matches_torch_backend(case, block_size, heads, monkeypatch):
         dense = dense_attention(qs[i], ks[i], vs[i], c, layer.scale)
         assert rel_err(out[start : start + ql].cpu(), dense) < 1e-2, f"request {i}"
         start += ql
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5, 16, 32])
+@pytest.mark.parametrize("heads", [(32, 8, 128), (16, 8, 128), (8, 8, 64), (28, 4, 128)])
+def test_triton_paged_decode_long_contexts(num_splits, heads):
+    """Split-KV with the merge in the kernel: contexts from 1 token to several
+    thousand, every split count, one launch after another on the same tickets."""
+    from runner.attention.triton_decode import DecodeScratch, paged_decode
+
+    num_heads, num_kv_heads, head_dim = heads
+    block_size, seq_lens = 16, [1, 33, 700, 4099]
+    tables, cache, qs, ks, vs = random_paged_kv(
+        [s - 1 for s in seq_lens], [1] * len(seq_lens), block_size, *heads, seed=3, spare_blocks=7, dtype=DTYPE
+    )
+    for i, s in enumerate(seq_lens):  # this step's k/v too: decode attends over all seq_len tokens
+        b = tables[i][(s - 1) // block_size]
+        cache[b, 0, (s - 1) % block_size], cache[b, 1, (s - 1) % block_size] = ks[i][s - 1], vs[i][s - 1]
+    table = torch.zeros(len(seq_lens), max(map(len, tables)) + 3, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        table[i, : len(t)] = torch.tensor(t)
+    scratch = DecodeScratch(CUDA, 8, num_heads, num_kv_heads, head_dim)
+    q = torch.cat(qs).to(CUDA)
+    for _ in range(2):  # the tickets are back to zero after a launch
+        out = torch.empty_like(q)
+        paged_decode(q, cache.to(CUDA), table.to(CUDA), torch.tensor(seq_lens, dtype=torch.int32, device=CUDA),
+                     head_dim**-0.5, scratch, out, num_splits)
+        assert torch.equal(scratch.tickets, torch.zeros_like(scratch.tickets))
+        for i, s in enumerate(seq_lens):
+            dense = dense_attention(qs[i], ks[i], vs[i], s - 1, head_dim**-0.5)
+            assert rel_err(out[i : i + 1].cpu(), dense) < 1e-2, f"request {i} (seq_len {s})"
 
 
 def test_flashinfer_rejects_float32():
@@ -188,3 +222,30 @@ def test_gemv_matches_linear(n, k, bias):
     assert rel_err(got, want) < 1e-2
     x2 = torch.randn(3, k, device=CUDA, generator=g).to(DTYPE)  # more rows: cuBLAS
     torch.testing.assert_close(cuda_ops.linear(x2, w, b), torch.nn.functional.linear(x2, w, b))
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("has_residual", [False, True])
+@pytest.mark.parametrize("n, k, bias", [(6144, 4096, False), (2 * 1000, 1024, True), (2 * 14336, 4096, False)])
+def test_norm_gemv_matches_ops(n, k, bias, has_residual, gated):
+    """A sublayer's entry at batch 1 (add + RMSNorm + matmul [+ SiLU-and-mul])
+    in one GEMV against the unfused torch ops."""
+    from runner import cuda_ops
+
+    g = torch.Generator(device=CUDA).manual_seed(4)
+    w = (torch.randn(n, k, device=CUDA, generator=g) * 0.02).to(DTYPE)
+    b = torch.randn(n, device=CUDA, generator=g).to(DTYPE) if bias else None
+    x = torch.randn(1, k, device=CUDA, generator=g).to(DTYPE)
+    r = torch.randn(1, k, device=CUDA, generator=g).to(DTYPE) if has_residual else None
+    nw = (1 + 0.1 * torch.randn(k, device=CUDA, generator=g)).to(DTYPE)
+    want, want_r = ops.add_rms_norm_linear(x.clone(), None if r is None else r.clone(), nw, 1e-5, w, b, gated)
+    got, got_r = cuda_ops.add_rms_norm_linear(x, r, nw, 1e-5, w, b, gated)
+    assert got.shape == want.shape == (1, n // 2 if gated else n) and got.dtype == DTYPE
+    assert rel_err(got, want) < 1e-2
+    assert torch.equal(got_r, want_r)  # the residual add rounds as torch's
+    # more rows: the unfused kernels, the same results as the reference ops
+    x3 = torch.randn(3, k, device=CUDA, generator=g).to(DTYPE)
+    r3 = torch.randn(3, k, device=CUDA, generator=g).to(DTYPE)
+    want3, _ = ops.add_rms_norm_linear(x3.clone(), r3.clone(), nw, 1e-5, w, b, gated)
+    got3, _ = cuda_ops.add_rms_norm_linear(x3.clone(), r3.clone(), nw, 1e-5, w, b, gated)
+    assert rel_err(got3, want3) < 1e-2

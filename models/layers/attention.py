@@ -1,6 +1,7 @@
-"""The attention layer: projections, q/k norm, rope, then the backend.
+"""The attention layer: q/k norm, rope, the backend, the output projection.
 
-The layer computes q, k, v for a flat token batch and hands them to the
+The layer takes q, k, v of a flat token batch from its qkv projection (which
+the decoder layer runs fused with the norm before it) and hands them to the
 attention backend of the current forward context, which writes k/v into this
 layer's paged KV cache and attends (see models/forward_context.py).
 """
@@ -44,10 +45,10 @@ class Attention(nn.Module):
     def forward(
         self,
         positions: torch.Tensor,  # [num_tokens]
-        hidden: torch.Tensor,  # [num_tokens, hidden]
+        qkv: torch.Tensor,  # [num_tokens, q_size + 2 * kv_size]: qkv_proj's output
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        num_tokens = qkv.shape[0]
+        q, k, v = self.qkv_proj.split(qkv)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from models.layers.linear import Linear
 from models.layers.ops import OPS
 
 
@@ -25,6 +26,17 @@ class RMSNorm(nn.Module):
         if residual is None:
             return OPS["rms_norm"](x, self.weight, self.eps)
         return OPS["fused_add_rms_norm"](x, residual, self.weight, self.eps)
+
+    def forward_linear(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        residual: torch.Tensor | None,  # [num_tokens, hidden]; None: x is the residual (layer 0)
+        linear: Linear,  # the projection this norm feeds
+        gated: bool = False,  # linear is a [gate; up] MergedLinear: return silu(gate) * up
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(linear(norm(x + residual)), x + residual) as ONE op, so a GPU
+        kernel can fold the norm into the matmul's read of its input."""
+        return OPS["add_rms_norm_linear"](x, residual, self.weight, self.eps, linear.weight, linear.bias, gated)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -78,8 +78,33 @@ def linear(
     return F.linear(x, weight, bias)
 
 
+def add_rms_norm_linear(
+    x: torch.Tensor,  # [num_tokens, hidden]: a sublayer's output (or the embeddings at layer 0)
+    residual: torch.Tensor | None,  # [num_tokens, hidden]; None at layer 0
+    norm_weight: torch.Tensor,  # [hidden]
+    eps: float,
+    weight: torch.Tensor,  # [out_features, hidden]; gated: [2 * d, hidden] (gate rows, then up rows)
+    bias: torch.Tensor | None,
+    gated: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pre-norm sublayer's entry: residual' = x + residual (x alone when
+    residual is None), y = linear(rms_norm(residual'), weight, bias), and with
+    gated, silu_and_mul(y). Returns (y, residual').
+
+    One op, so that a kernel can fold the norm (and the activation) into the
+    matmul; this reference composes the ops above through OPS, so each of them
+    can still be replaced on its own."""
+    if residual is None:
+        normed, residual = OPS["rms_norm"](x, norm_weight, eps), x
+    else:
+        normed, residual = OPS["fused_add_rms_norm"](x, residual, norm_weight, eps)
+    y = OPS["linear"](normed, weight, bias)
+    return (OPS["silu_and_mul"](y) if gated else y), residual
+
+
 _REFERENCE: dict[str, Callable] = {
     "linear": linear,
+    "add_rms_norm_linear": add_rms_norm_linear,
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
     "rotary_embedding": rotary_embedding,

@@ -19,10 +19,17 @@ built on the host from the block table, e.g. seq_lens=[5, 1], block_size=4,
 block_table=[[7, 2], [9, 0]]:
     kv_indptr = [0, 2, 3]   kv_indices = [7, 2, 9]   kv_last_page_len = [1, 1]
 
+Small decode batches (at most TRITON_DECODE_MAX_BATCH requests) skip
+FlashInfer: runner/attention/triton_decode.py attends them in one launch
+(split-KV with the merge inside), straight from the block table and seq_lens
+on the device, with no plan() on the host.
+
 CUDA graphs (decode only): one decode wrapper per graph batch size, built
 with `use_cuda_graph=True` over fixed indptr / indices / last_page_len
-buffers, planned again before each replay. Padded rows (num_reqs..B-1) get
-one page, the padding block, holding one token; their k/v land there too.
+buffers, planned again before each replay; buckets of at most
+TRITON_DECODE_MAX_BATCH read a fixed block table and seq_lens instead.
+Padded rows (num_reqs..B-1) get one page, the padding block, holding one
+token; their k/v land there too.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import torch
 from flashinfer import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper
 
 from runner.attention import AttentionInputs, AttentionSpec, RunnerAttentionBackend
+from runner.attention.triton_decode import DecodeScratch, num_splits_for, paged_decode
 from runner.cuda_ops import rope_and_store_kv, store_kv
 from runner.input_batch import CpuGpuBuffer
 from scheduler.config import ConfigError
@@ -51,6 +59,10 @@ _FA_BACKEND = "fa2"
 # each CUDA graph bucket makes the choice for its own batch size.
 # SERVAL_FLASHINFER_DECODE_TENSOR_CORES_FROM=N overrides it (1: always).
 DECODE_TENSOR_CORES_FROM = int(os.environ.get("SERVAL_FLASHINFER_DECODE_TENSOR_CORES_FROM", "1"))
+# Decode batches of at most this many requests run the one-launch Triton
+# kernel (triton_decode.py) instead; 0 turns it off.
+# SERVAL_TRITON_DECODE_MAX_BATCH=N overrides it.
+TRITON_DECODE_MAX_BATCH = int(os.environ.get("SERVAL_TRITON_DECODE_MAX_BATCH", "8"))
 
 Wrapper = Union[BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper]
 
@@ -73,10 +85,20 @@ for _cls in (BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWra
 
 
 @dataclass
+class TritonDecode:
+    """A small decode batch for triton_decode.paged_decode: device tensors only."""
+
+    block_table: torch.Tensor  # [num_reqs, num_cols] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32
+    num_splits: int
+
+
+@dataclass
 class FlashInferMetadata:
     num_tokens: int  # rows of q/k/v this step (a graph's padded batch size when replayed)
     slot_mapping: torch.Tensor  # [num_tokens] int64, device
-    wrapper: Wrapper  # planned for this step
+    wrapper: Wrapper | None  # planned for this step; None when triton_decode is set
+    triton_decode: TritonDecode | None = None
 
 
 class _PageTable:
@@ -159,15 +181,26 @@ class FlashInferAttentionBackend(RunnerAttentionBackend):
         self.graph_pages: _PageTable | None = None
         self.graph_metadata: dict[int, FlashInferMetadata] = {}
         self.padding_block_id = -1
+        self.decode_scratch: DecodeScratch | None = None  # set by configure()
 
     def configure(self, spec: AttentionSpec) -> None:
         if spec.num_heads % spec.num_kv_heads:
             raise ValueError(f"num_heads {spec.num_heads} is not a multiple of num_kv_heads {spec.num_kv_heads}")
         super().configure(spec)
+        if TRITON_DECODE_MAX_BATCH > 0:
+            self.decode_scratch = DecodeScratch(
+                self.device, TRITON_DECODE_MAX_BATCH, spec.num_heads, spec.num_kv_heads, spec.head_dim
+            )
+
+    def _uses_triton_decode(self, num_reqs: int) -> bool:
+        return self.decode_scratch is not None and num_reqs <= self.decode_scratch.max_batch
 
     # ------------------------------------------------------------------
     def build_metadata(self, inputs: AttentionInputs) -> FlashInferMetadata:
         n = inputs.num_reqs
+        if inputs.is_decode_only and self._uses_triton_decode(n):
+            plan = TritonDecode(inputs.block_table[:n], inputs.seq_lens[:n], self._num_splits(n))
+            return FlashInferMetadata(inputs.num_tokens, inputs.slot_mapping[: inputs.num_tokens], None, plan)
         indptr, indices, last_page_len = self.pages.fill(inputs, n)
         if inputs.is_decode_only:
             wrapper = self.decode_wrappers[n >= DECODE_TENSOR_CORES_FROM]
@@ -208,6 +241,9 @@ class FlashInferAttentionBackend(RunnerAttentionBackend):
             non_blocking=True,
         )
 
+    def _num_splits(self, num_reqs: int) -> int:
+        return num_splits_for(num_reqs, self._spec().num_kv_heads)
+
     def _spec(self) -> AttentionSpec:
         if self.spec is None:
             raise RuntimeError("FlashInferAttentionBackend.configure(spec) was not called")
@@ -224,7 +260,14 @@ class FlashInferAttentionBackend(RunnerAttentionBackend):
         else:  # q rotated in place; rotated k and v written to the cache (k itself is left alone)
             rope_and_store_kv(positions[:n], q, k, v, layer.rotary_emb.cos_sin_cache, kv_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [num_tokens, num_heads, head_dim]
-        meta.wrapper.run(q, kv_cache, out=out)
+        plan = meta.triton_decode
+        if plan is not None:
+            paged_decode(
+                q, kv_cache, plan.block_table, plan.seq_lens, self._spec().scale, self.decode_scratch, out,
+                plan.num_splits,
+            )
+        else:
+            meta.wrapper.run(q, kv_cache, out=out)
         return out
 
     # -- CUDA graphs -------------------------------------------------------
@@ -237,9 +280,22 @@ class FlashInferAttentionBackend(RunnerAttentionBackend):
         self.graph_indices = torch.zeros(max_pages, dtype=torch.int32, device=self.device)
         self.graph_last_page_len = torch.zeros(max_num_reqs, dtype=torch.int32, device=self.device)
         self.graph_slot_mapping = torch.zeros(max_num_reqs, dtype=torch.int64, device=self.device)
+        # the Triton decode buckets' inputs
+        triton_rows = min(max_num_reqs, self.decode_scratch.max_batch if self.decode_scratch else 0)
+        self.graph_block_table = torch.zeros(triton_rows, max_blocks_per_req, dtype=torch.int32, device=self.device)
+        self.graph_seq_lens = torch.ones(triton_rows, dtype=torch.int32, device=self.device)
         self.graph_metadata = {}
 
     def build_metadata_for_capture(self, num_reqs: int) -> FlashInferMetadata:
+        if self._uses_triton_decode(num_reqs):
+            self._pad_triton_rows(0, num_reqs)
+            self.graph_slot_mapping[:num_reqs].fill_(self.padding_block_id * self._spec().block_size)
+            plan = TritonDecode(
+                self.graph_block_table[:num_reqs], self.graph_seq_lens[:num_reqs], self._num_splits(num_reqs)
+            )
+            meta = FlashInferMetadata(num_reqs, self.graph_slot_mapping[:num_reqs], None, plan)
+            self.graph_metadata[num_reqs] = meta
+            return meta
         wrapper = BatchDecodeWithPagedKVCacheWrapper(
             self.workspace,
             "NHD",
@@ -261,11 +317,22 @@ class FlashInferAttentionBackend(RunnerAttentionBackend):
         assert inputs.is_decode_only and inputs.num_reqs <= padded_num_reqs
         meta = self.graph_metadata[padded_num_reqs]
         n = inputs.num_reqs
-        self._plan_decode(meta.wrapper, *self.graph_pages.fill(inputs, padded_num_reqs, self.padding_block_id))
+        if meta.triton_decode is not None:
+            self.graph_block_table[:n, : inputs.block_table.shape[1]].copy_(inputs.block_table[:n])
+            self.graph_seq_lens[:n].copy_(inputs.seq_lens[:n])
+            self._pad_triton_rows(n, padded_num_reqs)
+        else:
+            self._plan_decode(meta.wrapper, *self.graph_pages.fill(inputs, padded_num_reqs, self.padding_block_id))
         self.graph_slot_mapping[:n].copy_(inputs.slot_mapping[:n])
         if n < padded_num_reqs:
             self.graph_slot_mapping[n:padded_num_reqs].fill_(self.padding_block_id * self._spec().block_size)
         return meta
+
+    def _pad_triton_rows(self, start: int, stop: int) -> None:
+        """Rows start..stop-1 of the Triton buckets' inputs: one token in the padding block."""
+        if start < stop:
+            self.graph_block_table[start:stop, 0] = self.padding_block_id
+            self.graph_seq_lens[start:stop] = 1
 
 
 def _empty_decode_inputs(device: torch.device, block_size: int) -> AttentionInputs:
