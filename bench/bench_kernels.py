@@ -124,37 +124,48 @@ def bench_linears(sweep: list) -> dict:
 
 
 def bench_fused(sweep: list) -> dict:
-    """Unfused (norm kernel, matmul, activation kernel) against the fused GEMV, per call."""
+    """Unfused kernels against the fused GEMV, per call: qkv and gate_up with
+    the residual add + RMSNorm in front, down with SiLU-and-mul on its input."""
     from runner import cuda_ops
     from runner.gemv import NormInput, gemv, supports
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     results = {}
-    for name, gated in (("qkv", False), ("gate_up", True)):
+    for name in ("qkv", "gate_up", "down"):
         N, K = LINEARS[name]
         ws = [torch.randn(N, K, device=dev, dtype=dt) * 0.02 for _ in range(LAYERS)]
-        x, res = torch.randn(1, K, device=dev, dtype=dt), torch.randn(1, K, device=dev, dtype=dt)
-        nw = torch.ones(K, device=dev, dtype=dt)
-        norm = NormInput(res, nw, 1e-5)
+        act = name == "down"
+        x = torch.randn(1, 2 * K if act else K, device=dev, dtype=dt)
+        res, nw = torch.randn(1, K, device=dev, dtype=dt), torch.ones(K, device=dev, dtype=dt)
+        norm = None if act else NormInput(res, nw, 1e-5)
+        hx, hres = x.clone(), res.clone()  # the unfused norm works in place on these
 
         def unfused(w):
-            h, _ = cuda_ops.fused_add_rms_norm(x.clone(), res.clone(), nw, 1e-5)
-            y = cuda_ops.linear(h, w, None)
-            return cuda_ops.silu_and_mul(y) if gated else y
+            if act:
+                return cuda_ops.linear(cuda_ops.silu_and_mul(x), w, None)
+            h, _ = cuda_ops.fused_add_rms_norm(hx, hres, nw, 1e-5)
+            return cuda_ops.linear(h, w, None)
+
+        def fused(w, cfg):
+            y = gemv(x, w, cfg, norm=norm, act_input=act)
+            return y if act else y[0]
 
         def per_call(fn) -> float:
             return time_graph(lambda: [fn(w) for w in ws]) / LAYERS
 
-        row: dict = {"N": N, "K": K, "gated": gated, "unfused_us": per_call(unfused) * 1e3}
-        ref = unfused(ws[0]).float()
+        row: dict = {"N": N, "K": K, "fusion": "silu_and_mul" if act else "add_rms_norm", "unfused_us": per_call(unfused) * 1e3}
+        if act:
+            ref = F.linear(torch.nn.functional.silu(x[:, :K]) * x[:, K:], ws[0]).float()
+        else:
+            r = (x.float() + res.float())
+            ref = F.linear((r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dt), ws[0]).float()
         best = None
         for cfg in sweep:
             if not supports(x, ws[0], cfg):
                 continue
             try:
-                out, _ = gemv(x, ws[0], cfg, norm=norm, gated=gated)
-                err = (out.float() - ref).norm().item() / ref.norm().item()
-                t = per_call(lambda w: gemv(x, w, cfg, norm=norm, gated=gated))
+                err = (fused(ws[0], cfg).float() - ref).norm().item() / ref.norm().item()
+                t = per_call(lambda w: fused(w, cfg))
             except Exception as e:  # a config Triton cannot build
                 print(f"  fused {name} {cfg}: {type(e).__name__}: {str(e)[:120]}")
                 continue
@@ -176,7 +187,7 @@ def bench_fused(sweep: list) -> dict:
 def bench_decode_attention() -> dict:
     from flashinfer import BatchDecodeWithPagedKVCacheWrapper
 
-    from runner.attention.triton_decode import DecodeScratch, num_splits_for, paged_decode
+    from runner.attention.triton_decode import DecodeConfig, DecodeScratch, num_splits_for, paged_decode
 
     dev, dt, page = torch.device("cuda"), torch.bfloat16, 16
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
@@ -225,6 +236,18 @@ def bench_decode_attention() -> dict:
             by_splits[splits] = t * 1e3
         row["triton_us"], row["triton_splits"] = by_splits[default], default
         row["triton_best_us"], row["triton_best_splits"] = min((t, s) for s, t in by_splits.items())
+        if batch <= 8:  # the tile and pipelining, at the default split count
+            configs = {}
+            for cfg in (DecodeConfig(bt, w, st) for bt in (32, 64) for w in (4, 8) for st in (1, 2, 3)):
+                try:
+                    configs[f"{cfg.block_t}/{cfg.num_warps}/{cfg.num_stages}"] = 1e3 * time_graph(
+                        lambda: [paged_decode(q, c, table, seq_lens, d**-0.5, scratch, out, default, cfg)
+                                 for c in calls]) / LAYERS
+                except Exception as e:  # a config Triton cannot build
+                    print(f"  triton decode {cfg}: {type(e).__name__}: {str(e)[:120]}")
+            row["triton_configs_us"] = configs  # "block_t/num_warps/num_stages": us
+            print(f"  {label} triton configs (block_t/warps/stages: us):",
+                  ", ".join(f"{k} {v:.1f}" for k, v in sorted(configs.items(), key=lambda kv: kv[1])[:5]))
         row["kv_floor_us"] = kv_bytes / READ_BW * 1e6
         results[label] = row
         print(f"{label:26s} tensor cores {row['tensor_cores_us']:8.1f} us ({row['tensor_cores_tb_s']:.2f} TB/s)"

@@ -23,6 +23,7 @@ from models.layers.attention import Attention
 from models.layers.embedding import LMHead, VocabEmbedding
 from models.layers.linear import Linear, MergedLinear
 from models.layers.norm import RMSNorm
+from models.layers.ops import OPS
 from models.layers.rotary import RotaryEmbedding
 
 
@@ -31,8 +32,10 @@ class WeightLoadError(ValueError):
 
 
 class MLP(nn.Module):
-    """down_proj(silu(gate) * up). The decoder layer runs gate_up_proj and the
-    activation fused with the norm before them (RMSNorm.forward_linear)."""
+    """down_proj(silu(gate) * up). The decoder layer runs gate_up_proj fused
+    with the norm before it (RMSNorm.forward_linear); forward() takes its
+    output, and the activation and down_proj are one op (a GPU kernel applies
+    the activation as it reads down_proj's input)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -40,8 +43,8 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size})
         self.down_proj = Linear(size, config.hidden_size)
 
-    def forward(self, gated: torch.Tensor) -> torch.Tensor:  # [num_tokens, intermediate] -> [num_tokens, hidden]
-        return self.down_proj(gated)
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * intermediate] -> [num_tokens, hidden]
+        return OPS["silu_and_mul_linear"](gate_up, self.down_proj.weight, self.down_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -63,10 +66,8 @@ class DecoderLayer(nn.Module):
         # so a GPU kernel can do the add, the norm and the matmul in one pass.
         qkv, residual = self.input_layernorm.forward_linear(hidden, residual, self.self_attn.qkv_proj)
         hidden = self.self_attn(positions, qkv)
-        gated, residual = self.post_attention_layernorm.forward_linear(
-            hidden, residual, self.mlp.gate_up_proj, gated=True
-        )
-        return self.mlp(gated), residual
+        gate_up, residual = self.post_attention_layernorm.forward_linear(hidden, residual, self.mlp.gate_up_proj)
+        return self.mlp(gate_up), residual
 
 
 class DecoderModel(nn.Module):

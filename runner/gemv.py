@@ -1,5 +1,5 @@
 """Triton GEMVs for one-row linears (batch-1 decode): y[1, N] = x[1, K] @ w[N, K].T,
-optionally with the RMSNorm before the matmul and SiLU-and-mul after it.
+optionally with the RMSNorm before the matmul, or SiLU-and-mul on its input.
 
 At batch 1 a decode step is the time to read every weight once. cuBLAS
 serves [1, K] x [K, N] with GEMM tiles (and split-K plus a reduce kernel for
@@ -10,15 +10,15 @@ BLOCK_N rows of w per program over the whole K: no split, no second kernel.
     y = gemv(x, w)                                  # F.linear(x, w)
     y, r = gemv(x, w, norm=NormInput(residual, g, eps))
         # r = x + residual; y = F.linear(rms_norm(r, g, eps), w)
-    y, r = gemv(x, w, norm=..., gated=True)
-        # w = [gate; up] (2N rows): y = silu(r_n @ gate.T) * (r_n @ up.T), [1, N]
+    y = gemv(gate_up, w, act_input=True)            # F.linear(silu_and_mul(gate_up), w)
 
 The norm rides along the matmul's own reads of x: rms_norm(r) @ w.T =
 rstd * ((r * g) @ w.T), with rstd = rsqrt(mean(r^2) + eps) summed in the same
-loop, so the normalised row is never written and no norm kernel runs.
-Program 0 also writes r (the next sublayer's residual). The gated form
-computes row j of gate and row j of up in the same program and writes only
-the activation: no [1, 2N] intermediate, no activation kernel.
+loop, so the normalised row is never written and no norm kernel runs;
+program 0 also writes r (the next sublayer's residual). With act_input each
+program computes silu(gate) * up for the columns it reads (from L2: 4 bytes
+of activations per column against 2 * BLOCK_N of weights), so the MLP's
+activation kernel disappears.
 
 Rows accumulate in float32 and round once, like cuBLAS; the sum order (and,
 with the norm, the rounding of the normalised row, which HF rounds to the
@@ -37,7 +37,7 @@ import triton.language as tl
 
 @dataclass(frozen=True)
 class GemvConfig:
-    block_n: int = 8  # rows of w per program (gated: of gate, and as many of up)
+    block_n: int = 8  # rows of w per program
     block_k: int = 512  # columns per loop iteration (K must be a multiple)
     num_warps: int = 4
     num_stages: int = 4
@@ -58,12 +58,12 @@ class NormInput:
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr,  # [K]
+    x_ptr,  # [K] (ACT: [2K], gate then up)
     res_ptr,  # NORM and HAS_RES: [K] residual
     norm_w_ptr,  # NORM: [K]
     res_out_ptr,  # NORM and HAS_RES: [K], program 0 writes x + residual
-    w_ptr,  # [N, K] (GATED: [2N, K], gate rows then up rows), row stride stride_w
-    bias_ptr,  # HAS_BIAS: [N] (GATED: [2N])
+    w_ptr,  # [N, K], row stride stride_w
+    bias_ptr,  # HAS_BIAS: [N]
     out_ptr,  # [N]
     N,
     K,
@@ -73,20 +73,23 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     NORM: tl.constexpr,
     HAS_RES: tl.constexpr,
-    GATED: tl.constexpr,
+    ACT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
-    up_rows = w_rows + N * stride_w  # GATED: the wrapper checks N * stride_w < 2**31
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     sum_sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         cols = k + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + cols).to(tl.float32)
+        if ACT:
+            # as the unfused kernel: silu rounded to the model dtype, then the product rounded
+            up = tl.load(x_ptr + K + cols).to(tl.float32)
+            act = (x / (1.0 + tl.exp(-x))).to(x_ptr.dtype.element_ty).to(tl.float32)
+            x = (act * up).to(x_ptr.dtype.element_ty).to(tl.float32)
         if NORM:
             if HAS_RES:
                 # residual' = x + residual, rounded to the model dtype as torch's add
@@ -97,26 +100,11 @@ def _gemv_kernel(
             x = x * tl.load(norm_w_ptr + cols).to(tl.float32)
         w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None], other=0.0, eviction_policy="evict_first")
         acc += w.to(tl.float32) * x[None, :]
-        if GATED:
-            u = tl.load(up_rows + cols[None, :], mask=row_mask[:, None], other=0.0, eviction_policy="evict_first")
-            acc_up += u.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
     if NORM:
-        rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) / K + eps)
-        y = y * rstd
+        y = y * tl.rsqrt(tl.sum(sum_sq, axis=0) / K + eps)
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-    if GATED:
-        up = tl.sum(acc_up, axis=1)
-        if NORM:
-            up = up * rstd
-        if HAS_BIAS:
-            up += tl.load(bias_ptr + N + rows, mask=row_mask, other=0.0).to(tl.float32)
-        # as the unfused ops: the matmul rounds, silu rounds, the product rounds
-        gate = y.to(out_ptr.dtype.element_ty).to(tl.float32)
-        up = up.to(out_ptr.dtype.element_ty).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
-        y = act * up
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
@@ -134,20 +122,18 @@ def supports(x: torch.Tensor, w: torch.Tensor, config: GemvConfig = DEFAULT_CONF
 
 
 def gemv(
-    x: torch.Tensor,  # [1, K]
-    w: torch.Tensor,  # [N, K] (gated: [2N, K])
+    x: torch.Tensor,  # [1, K] (act_input: [1, 2K], gate | up)
+    w: torch.Tensor,  # [N, K]
     config: GemvConfig = DEFAULT_CONFIG,
     *,
-    bias: torch.Tensor | None = None,  # [N] (gated: [2N])
+    bias: torch.Tensor | None = None,  # [N]
     norm: NormInput | None = None,
-    gated: bool = False,
+    act_input: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """y [1, N]; with `norm`, (y, residual') where residual' = x + residual."""
-    rows, K = w.shape
-    if gated:
-        assert rows % 2 == 0, "gated GEMV wants [gate; up] weights"
-        assert rows // 2 * w.stride(0) < 2**31, "gated GEMV: the up half's offset must fit in int32"
-    N = rows // 2 if gated else rows
+    N, K = w.shape
+    assert x.shape[-1] == (2 * K if act_input else K), f"gemv: input {tuple(x.shape)} for weight {tuple(w.shape)}"
+    assert not (act_input and norm is not None), "gemv: norm and act_input do not combine"
     out = torch.empty((1, N), dtype=x.dtype, device=x.device)
     residual = norm.residual if norm is not None else None
     res_out = torch.empty_like(x) if residual is not None else x
@@ -159,7 +145,7 @@ def gemv(
         w, bias if bias is not None else x, out,
         N, K, w.stride(0), norm.eps if norm is not None else 0.0,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        NORM=norm is not None, HAS_RES=residual is not None, GATED=gated, HAS_BIAS=bias is not None,
+        NORM=norm is not None, HAS_RES=residual is not None, ACT=act_input, HAS_BIAS=bias is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if norm is None:

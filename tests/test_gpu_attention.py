@@ -71,7 +71,7 @@ def test_flashinfer_matches_torch_backend(case, block_size, heads, monkeypatch):
     fi_cache = cache.clone()
     meta = fi.build_metadata(inputs)
     assert (meta.triton_decode is not None) == (case == "decode_triton")
-    assert (meta.wrapper in fi.decode_wrappers.values()) == case in ("decode", "decode_cuda_cores")
+    assert (meta.wrapper in fi.decode_wrappers.values()) == (case in ("decode", "decode_cuda_cores"))
     if meta.wrapper in fi.decode_wrappers.values():
         assert meta.wrapper.use_tensor_cores == (case == "decode")
     out = fi.forward(layer, q.clone(), k.clone(), v.clone(), fi_cache, meta)
@@ -224,12 +224,11 @@ def test_gemv_matches_linear(n, k, bias):
     torch.testing.assert_close(cuda_ops.linear(x2, w, b), torch.nn.functional.linear(x2, w, b))
 
 
-@pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("has_residual", [False, True])
-@pytest.mark.parametrize("n, k, bias", [(6144, 4096, False), (2 * 1000, 1024, True), (2 * 14336, 4096, False)])
-def test_norm_gemv_matches_ops(n, k, bias, has_residual, gated):
-    """A sublayer's entry at batch 1 (add + RMSNorm + matmul [+ SiLU-and-mul])
-    in one GEMV against the unfused torch ops."""
+@pytest.mark.parametrize("n, k, bias", [(6144, 4096, False), (1000, 1024, True), (4096, 14336, False)])
+def test_norm_gemv_matches_ops(n, k, bias, has_residual):
+    """A sublayer's entry at batch 1 (add + RMSNorm + matmul) in one GEMV
+    against the unfused torch ops; more rows take the unfused kernels."""
     from runner import cuda_ops
 
     g = torch.Generator(device=CUDA).manual_seed(4)
@@ -238,14 +237,29 @@ def test_norm_gemv_matches_ops(n, k, bias, has_residual, gated):
     x = torch.randn(1, k, device=CUDA, generator=g).to(DTYPE)
     r = torch.randn(1, k, device=CUDA, generator=g).to(DTYPE) if has_residual else None
     nw = (1 + 0.1 * torch.randn(k, device=CUDA, generator=g)).to(DTYPE)
-    want, want_r = ops.add_rms_norm_linear(x.clone(), None if r is None else r.clone(), nw, 1e-5, w, b, gated)
-    got, got_r = cuda_ops.add_rms_norm_linear(x, r, nw, 1e-5, w, b, gated)
-    assert got.shape == want.shape == (1, n // 2 if gated else n) and got.dtype == DTYPE
+    want, want_r = ops.add_rms_norm_linear(x.clone(), None if r is None else r.clone(), nw, 1e-5, w, b)
+    got, got_r = cuda_ops.add_rms_norm_linear(x, r, nw, 1e-5, w, b)
+    assert got.shape == want.shape == (1, n) and got.dtype == DTYPE
     assert rel_err(got, want) < 1e-2
     assert torch.equal(got_r, want_r)  # the residual add rounds as torch's
-    # more rows: the unfused kernels, the same results as the reference ops
     x3 = torch.randn(3, k, device=CUDA, generator=g).to(DTYPE)
     r3 = torch.randn(3, k, device=CUDA, generator=g).to(DTYPE)
-    want3, _ = ops.add_rms_norm_linear(x3.clone(), r3.clone(), nw, 1e-5, w, b, gated)
-    got3, _ = cuda_ops.add_rms_norm_linear(x3.clone(), r3.clone(), nw, 1e-5, w, b, gated)
+    want3, _ = ops.add_rms_norm_linear(x3.clone(), r3.clone(), nw, 1e-5, w, b)
+    got3, _ = cuda_ops.add_rms_norm_linear(x3.clone(), r3.clone(), nw, 1e-5, w, b)
     assert rel_err(got3, want3) < 1e-2
+
+
+@pytest.mark.parametrize("n, d, bias", [(4096, 14336, False), (1000, 1536, True)])
+def test_silu_and_mul_gemv_matches_ops(n, d, bias):
+    """The MLP's exit at batch 1 (SiLU-and-mul + down projection) in one GEMV."""
+    from runner import cuda_ops
+
+    g = torch.Generator(device=CUDA).manual_seed(5)
+    w = (torch.randn(n, d, device=CUDA, generator=g) * 0.02).to(DTYPE)
+    b = torch.randn(n, device=CUDA, generator=g).to(DTYPE) if bias else None
+    for rows in (1, 3):
+        gate_up = torch.randn(rows, 2 * d, device=CUDA, generator=g).to(DTYPE)
+        want = ops.silu_and_mul_linear(gate_up, w, b)
+        got = cuda_ops.silu_and_mul_linear(gate_up, w, b)
+        assert got.shape == want.shape == (rows, n)
+        assert rel_err(got, want) < 1e-2

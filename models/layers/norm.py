@@ -32,11 +32,10 @@ class RMSNorm(nn.Module):
         x: torch.Tensor,  # [num_tokens, hidden]
         residual: torch.Tensor | None,  # [num_tokens, hidden]; None: x is the residual (layer 0)
         linear: Linear,  # the projection this norm feeds
-        gated: bool = False,  # linear is a [gate; up] MergedLinear: return silu(gate) * up
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(linear(norm(x + residual)), x + residual) as ONE op, so a GPU
         kernel can fold the norm into the matmul's read of its input."""
-        return OPS["add_rms_norm_linear"](x, residual, self.weight, self.eps, linear.weight, linear.bias, gated)
+        return OPS["add_rms_norm_linear"](x, residual, self.weight, self.eps, linear.weight, linear.bias)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

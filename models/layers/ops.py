@@ -83,28 +83,36 @@ def add_rms_norm_linear(
     residual: torch.Tensor | None,  # [num_tokens, hidden]; None at layer 0
     norm_weight: torch.Tensor,  # [hidden]
     eps: float,
-    weight: torch.Tensor,  # [out_features, hidden]; gated: [2 * d, hidden] (gate rows, then up rows)
+    weight: torch.Tensor,  # [out_features, hidden]
     bias: torch.Tensor | None,
-    gated: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A pre-norm sublayer's entry: residual' = x + residual (x alone when
-    residual is None), y = linear(rms_norm(residual'), weight, bias), and with
-    gated, silu_and_mul(y). Returns (y, residual').
+    residual is None), y = linear(rms_norm(residual'), weight, bias).
+    Returns (y, residual').
 
-    One op, so that a kernel can fold the norm (and the activation) into the
-    matmul; this reference composes the ops above through OPS, so each of them
-    can still be replaced on its own."""
+    One op, so that a kernel can fold the norm into the matmul; this reference
+    composes the ops above through OPS, so each can still be replaced alone."""
     if residual is None:
         normed, residual = OPS["rms_norm"](x, norm_weight, eps), x
     else:
         normed, residual = OPS["fused_add_rms_norm"](x, residual, norm_weight, eps)
-    y = OPS["linear"](normed, weight, bias)
-    return (OPS["silu_and_mul"](y) if gated else y), residual
+    return OPS["linear"](normed, weight, bias), residual
+
+
+def silu_and_mul_linear(
+    x: torch.Tensor,  # [num_tokens, 2 * d]: gate | up
+    weight: torch.Tensor,  # [out_features, d]
+    bias: torch.Tensor | None,
+) -> torch.Tensor:  # [num_tokens, out_features]
+    """linear(silu_and_mul(x)): the MLP's exit, one op so that a kernel can
+    apply the activation as it reads the matmul's input."""
+    return OPS["linear"](OPS["silu_and_mul"](x), weight, bias)
 
 
 _REFERENCE: dict[str, Callable] = {
     "linear": linear,
     "add_rms_norm_linear": add_rms_norm_linear,
+    "silu_and_mul_linear": silu_and_mul_linear,
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
     "rotary_embedding": rotary_embedding,

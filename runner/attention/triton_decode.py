@@ -10,9 +10,9 @@ splits itself, found with an atomic ticket: one launch, no merge kernel.
 
 Grid: (batch, num_kv_heads, num_splits). A program takes the GROUP = Hq / Hkv
 query heads of its kv head (padded to 16 rows for tl.dot) over a contiguous
-run of the request's tokens. Tokens per split are a multiple of BLOCK_T, so a
+run of the request's tokens. Tokens per split are a multiple of block_t, so a
 short context uses fewer splits than the grid has, e.g. seq_len 300,
-num_splits 16, BLOCK_T 32: 32 tokens per split, splits 0..9 busy, 10..15
+num_splits 16, block_t 32: 32 tokens per split, splits 0..9 busy, 10..15
 return at once.
 
     plan = DecodeScratch(device, max_batch, num_q_heads, num_kv_heads, head_dim)
@@ -26,20 +26,35 @@ one stream, layer after layer, and inside CUDA graphs.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-BLOCK_T = 32  # tokens per loop iteration (and the split granularity)
 MIN_ROWS = 16  # tl.dot wants at least 16 rows: the GQA group is padded to this
-TARGET_PROGRAMS = 128  # about one program per SM on an H100/H200 (132 SMs)
 MAX_SPLITS = 32
+# Programs the grid aims at: the loop over a split's tokens is latency-bound,
+# so long contexts want many short splits. Measured on the H200 (Llama-3.1-8B
+# heads, bench/results/GPU_NOTES.md): the fastest split count was 4 / 16 / 32
+# at batch 1 and 256 / 1500 / 8192 tokens, 8 at batch 8, 2 at batch 32, 1 at
+# 64; short contexts use fewer splits than the grid has anyway.
+TARGET_PROGRAMS = 512
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    block_t: int = 32  # tokens per loop iteration (and the split granularity)
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+DEFAULT_CONFIG = DecodeConfig()
 
 
 def num_splits_for(batch: int, num_kv_heads: int) -> int:
-    """Splits per (request, kv head) so that the grid has ~TARGET_PROGRAMS
-    programs: batch 1 with 8 kv heads -> 16, batch 4 -> 4, batch 32 -> 1."""
+    """Splits per (request, kv head), the most a context may use: batch 1
+    with 8 kv heads -> 32, batch 4 -> 16, batch 8 -> 8, batch 64 -> 1."""
     return max(1, min(MAX_SPLITS, TARGET_PROGRAMS // max(1, batch * num_kv_heads)))
 
 
@@ -159,6 +174,7 @@ def paged_decode(
     scratch: DecodeScratch,
     out: torch.Tensor,  # [B, Hq, D] contiguous, written
     num_splits: int,
+    config: DecodeConfig = DEFAULT_CONFIG,
 ) -> torch.Tensor:
     """Each query row attends over all seq_lens[b] tokens of its request."""
     batch, num_q_heads, head_dim = q.shape
@@ -175,7 +191,7 @@ def paged_decode(
         q.stride(0), q.stride(1), block_table.stride(0),
         num_kv_heads, scale * math.log2(math.e),
         GROUP=group, GROUP_P=max(MIN_ROWS, triton.next_power_of_2(group)), D=head_dim,
-        PAGE=kv_cache.shape[2], BLOCK_T=BLOCK_T, NUM_SPLITS=num_splits, MAX_SPLITS=MAX_SPLITS,
-        num_warps=4, num_stages=2,
+        PAGE=kv_cache.shape[2], BLOCK_T=config.block_t, NUM_SPLITS=num_splits, MAX_SPLITS=MAX_SPLITS,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
