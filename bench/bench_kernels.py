@@ -125,40 +125,33 @@ def bench_linears(sweep: list) -> dict:
 
 def bench_fused(sweep: list) -> dict:
     """Unfused kernels against the fused GEMV, per call: qkv and gate_up with
-    the residual add + RMSNorm in front, down with SiLU-and-mul on its input."""
+    the residual add + RMSNorm in front."""
     from runner import cuda_ops
     from runner.gemv import NormInput, gemv, supports
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     results = {}
-    for name in ("qkv", "gate_up", "down"):
+    for name in ("qkv", "gate_up"):
         N, K = LINEARS[name]
         ws = [torch.randn(N, K, device=dev, dtype=dt) * 0.02 for _ in range(LAYERS)]
-        act = name == "down"
-        x = torch.randn(1, 2 * K if act else K, device=dev, dtype=dt)
+        x = torch.randn(1, K, device=dev, dtype=dt)
         res, nw = torch.randn(1, K, device=dev, dtype=dt), torch.ones(K, device=dev, dtype=dt)
-        norm = None if act else NormInput(res, nw, 1e-5)
+        norm = NormInput(res, nw, 1e-5)
         hx, hres = x.clone(), res.clone()  # the unfused norm works in place on these
 
         def unfused(w):
-            if act:
-                return cuda_ops.linear(cuda_ops.silu_and_mul(x), w, None)
             h, _ = cuda_ops.fused_add_rms_norm(hx, hres, nw, 1e-5)
             return cuda_ops.linear(h, w, None)
 
         def fused(w, cfg):
-            y = gemv(x, w, cfg, norm=norm, act_input=act)
-            return y if act else y[0]
+            return gemv(x, w, cfg, norm=norm)[0]
 
         def per_call(fn) -> float:
             return time_graph(lambda: [fn(w) for w in ws]) / LAYERS
 
-        row: dict = {"N": N, "K": K, "fusion": "silu_and_mul" if act else "add_rms_norm", "unfused_us": per_call(unfused) * 1e3}
-        if act:
-            ref = F.linear(torch.nn.functional.silu(x[:, :K]) * x[:, K:], ws[0]).float()
-        else:
-            r = (x.float() + res.float())
-            ref = F.linear((r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dt), ws[0]).float()
+        row: dict = {"N": N, "K": K, "unfused_us": per_call(unfused) * 1e3}
+        r = x.float() + res.float()
+        ref = F.linear((r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dt), ws[0]).float()
         best = None
         for cfg in sweep:
             if not supports(x, ws[0], cfg):

@@ -33,9 +33,7 @@ class WeightLoadError(ValueError):
 
 class MLP(nn.Module):
     """down_proj(silu(gate) * up). The decoder layer runs gate_up_proj fused
-    with the norm before it (RMSNorm.forward_linear); forward() takes its
-    output, and the activation and down_proj are one op (a GPU kernel applies
-    the activation as it reads down_proj's input)."""
+    with the norm before it (RMSNorm.forward_linear); forward() takes its output."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -44,7 +42,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(size, config.hidden_size)
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * intermediate] -> [num_tokens, hidden]
-        return OPS["silu_and_mul_linear"](gate_up, self.down_proj.weight, self.down_proj.bias)
+        return self.down_proj(OPS["silu_and_mul"](gate_up))
 
 
 class DecoderLayer(nn.Module):

@@ -4,10 +4,10 @@
     install_cuda_ops()     # once at start-up, when the engine runs on CUDA
 
 swaps `rms_norm`, `fused_add_rms_norm`, `rotary_embedding` and
-`silu_and_mul` for one-launch kernels, and `linear`, `add_rms_norm_linear`
-and `silu_and_mul_linear` for GEMVs on one-row inputs (runner/gemv.py: at
-batch 1 a sublayer's norm and its first matmul are one launch, and so are
-the MLP's activation and down projection); the models stay plain torch. Each
+`silu_and_mul` for one-launch kernels, and `linear` and `add_rms_norm_linear`
+for GEMVs on one-row inputs (runner/gemv.py: at batch 1 a sublayer's
+residual add, norm and first matmul are one launch); the models stay plain
+torch. Each
 kernel keeps the reference's signature and rounding where it is cheap to
 (normalise in float32, round, then scale by the weight in the model dtype, as
 HF does); rope computes in float32 and rounds once, so it may differ from the
@@ -327,26 +327,32 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
 GEMV_MAX_ELEMENTS = 64 << 20
 
 
+# The residual add + RMSNorm folded into the GEMV pays from the largest shapes
+# too (gate_up 28672 x 4096: 57.4 us against 59.4 for the norm kernel + cuBLAS).
+NORM_GEMV_MAX_ELEMENTS = 128 << 20
+
+
 @functools.lru_cache(maxsize=None)
-def _gemv_config(n: int, k: int, fused: bool = False) -> GemvConfig:
-    """The sweeps' winners. Plain: 4 rows per program up to N = 4096, else 8;
-    8 warps from ~20M elements. With the norm or the activation folded in: 8
-    rows, 4 warps, 2 stages (Llama-3.1-8B qkv: 14.9 us against 16.4 for the
-    norm kernel + GEMV)."""
-    if fused:
-        return GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=2)
+def _gemv_config(n: int, k: int, norm: bool = False) -> GemvConfig:
+    """The sweeps' winners (bench/bench_kernels.py on the H200). Plain: 4 rows
+    per program up to N = 4096, else 8; 8 warps from ~20M elements. With the
+    norm: 8 rows, 4 warps; 512 columns and 4 stages up to N = 8192 (qkv: 14.9
+    us against 16.2 for the norm kernel + GEMV), else 256 and 2 (gate_up)."""
+    if norm:
+        return GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=4) if n <= 8192 else \
+            GemvConfig(block_n=8, block_k=256, num_warps=4, num_stages=2)
     return GemvConfig(block_n=4 if n <= 4096 else 8, block_k=512, num_warps=8 if n * k > (20 << 20) else 4,
                       num_stages=4)
 
 
-def _use_gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig) -> bool:
-    return x.shape[0] == 1 and x.dim() == 2 and weight.numel() <= GEMV_MAX_ELEMENTS and gemv_supports(x, weight, config)
+def _use_gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, max_elements: int) -> bool:
+    return x.shape[0] == 1 and x.dim() == 2 and weight.numel() <= max_elements and gemv_supports(x, weight, config)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear, except one-row inputs (batch-1 decode) on weights up to
     GEMV_MAX_ELEMENTS go to runner/gemv.py."""
-    if _use_gemv(x, weight, config := _gemv_config(*weight.shape)):
+    if _use_gemv(x, weight, config := _gemv_config(*weight.shape), GEMV_MAX_ELEMENTS):
         return gemv(x, weight, config, bias=bias)
     return F.linear(x, weight, bias)
 
@@ -359,27 +365,18 @@ def add_rms_norm_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """ops.add_rms_norm_linear: where `linear` takes the GEMV, one launch with
-    the residual add and the norm inside; elsewhere the norm kernel, then the
-    matmul."""
-    if (residual is None or residual.stride(-1) == 1) and _use_gemv(x, weight, config := _gemv_config(*weight.shape, True)):
+    """ops.add_rms_norm_linear: a one-row input on a weight up to
+    NORM_GEMV_MAX_ELEMENTS is one GEMV launch with the residual add and the
+    norm inside; otherwise the norm kernel, then `linear`."""
+    config = _gemv_config(*weight.shape, True)
+    if (residual is None or residual.stride(-1) == 1) and _use_gemv(x, weight, config, NORM_GEMV_MAX_ELEMENTS):
         return gemv(x, weight, config, bias=bias, norm=NormInput(residual, norm_weight, eps))
     return ops.add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias)
-
-
-def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """ops.silu_and_mul_linear: where `linear` takes the GEMV, one launch that
-    applies the activation to its input; elsewhere the activation kernel, then
-    the matmul."""
-    if _use_gemv(x, weight, config := _gemv_config(*weight.shape, True)) and x.shape[1] == 2 * weight.shape[1]:
-        return gemv(x, weight, config, bias=bias, act_input=True)
-    return ops.silu_and_mul_linear(x, weight, bias)
 
 
 CUDA_OPS = {
     "linear": linear,
     "add_rms_norm_linear": add_rms_norm_linear,
-    "silu_and_mul_linear": silu_and_mul_linear,
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
     "rotary_embedding": rotary_embedding,

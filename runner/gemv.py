@@ -1,5 +1,5 @@
 """Triton GEMVs for one-row linears (batch-1 decode): y[1, N] = x[1, K] @ w[N, K].T,
-optionally with the RMSNorm before the matmul, or SiLU-and-mul on its input.
+optionally with the residual add and RMSNorm before the matmul.
 
 At batch 1 a decode step is the time to read every weight once. cuBLAS
 serves [1, K] x [K, N] with GEMM tiles (and split-K plus a reduce kernel for
@@ -10,15 +10,13 @@ BLOCK_N rows of w per program over the whole K: no split, no second kernel.
     y = gemv(x, w)                                  # F.linear(x, w)
     y, r = gemv(x, w, norm=NormInput(residual, g, eps))
         # r = x + residual; y = F.linear(rms_norm(r, g, eps), w)
-    y = gemv(gate_up, w, act_input=True)            # F.linear(silu_and_mul(gate_up), w)
 
 The norm rides along the matmul's own reads of x: rms_norm(r) @ w.T =
 rstd * ((r * g) @ w.T), with rstd = rsqrt(mean(r^2) + eps) summed in the same
 loop, so the normalised row is never written and no norm kernel runs;
-program 0 also writes r (the next sublayer's residual). With act_input each
-program computes silu(gate) * up for the columns it reads (from L2: 4 bytes
-of activations per column against 2 * BLOCK_N of weights), so the MLP's
-activation kernel disappears.
+program 0 also writes r (the next sublayer's residual). (SiLU-and-mul folded
+into the down projection's GEMV the same way measured slower than its own
+kernel on the H200: 32.7 against 31.7 us, GPU_NOTES.md.)
 
 Rows accumulate in float32 and round once, like cuBLAS; the sum order (and,
 with the norm, the rounding of the normalised row, which HF rounds to the
@@ -58,7 +56,7 @@ class NormInput:
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr,  # [K] (ACT: [2K], gate then up)
+    x_ptr,  # [K]
     res_ptr,  # NORM and HAS_RES: [K] residual
     norm_w_ptr,  # NORM: [K]
     res_out_ptr,  # NORM and HAS_RES: [K], program 0 writes x + residual
@@ -73,7 +71,6 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     NORM: tl.constexpr,
     HAS_RES: tl.constexpr,
-    ACT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -85,11 +82,6 @@ def _gemv_kernel(
     for k in range(0, K, BLOCK_K):
         cols = k + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + cols).to(tl.float32)
-        if ACT:
-            # as the unfused kernel: silu rounded to the model dtype, then the product rounded
-            up = tl.load(x_ptr + K + cols).to(tl.float32)
-            act = (x / (1.0 + tl.exp(-x))).to(x_ptr.dtype.element_ty).to(tl.float32)
-            x = (act * up).to(x_ptr.dtype.element_ty).to(tl.float32)
         if NORM:
             if HAS_RES:
                 # residual' = x + residual, rounded to the model dtype as torch's add
@@ -122,18 +114,16 @@ def supports(x: torch.Tensor, w: torch.Tensor, config: GemvConfig = DEFAULT_CONF
 
 
 def gemv(
-    x: torch.Tensor,  # [1, K] (act_input: [1, 2K], gate | up)
+    x: torch.Tensor,  # [1, K]
     w: torch.Tensor,  # [N, K]
     config: GemvConfig = DEFAULT_CONFIG,
     *,
     bias: torch.Tensor | None = None,  # [N]
     norm: NormInput | None = None,
-    act_input: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """y [1, N]; with `norm`, (y, residual') where residual' = x + residual."""
     N, K = w.shape
-    assert x.shape[-1] == (2 * K if act_input else K), f"gemv: input {tuple(x.shape)} for weight {tuple(w.shape)}"
-    assert not (act_input and norm is not None), "gemv: norm and act_input do not combine"
+    assert x.shape[-1] == K, f"gemv: input {tuple(x.shape)} for weight {tuple(w.shape)}"
     out = torch.empty((1, N), dtype=x.dtype, device=x.device)
     residual = norm.residual if norm is not None else None
     res_out = torch.empty_like(x) if residual is not None else x
@@ -145,7 +135,7 @@ def gemv(
         w, bias if bias is not None else x, out,
         N, K, w.stride(0), norm.eps if norm is not None else 0.0,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        NORM=norm is not None, HAS_RES=residual is not None, ACT=act_input, HAS_BIAS=bias is not None,
+        NORM=norm is not None, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if norm is None:

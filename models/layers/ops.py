@@ -99,20 +99,9 @@ def add_rms_norm_linear(
     return OPS["linear"](normed, weight, bias), residual
 
 
-def silu_and_mul_linear(
-    x: torch.Tensor,  # [num_tokens, 2 * d]: gate | up
-    weight: torch.Tensor,  # [out_features, d]
-    bias: torch.Tensor | None,
-) -> torch.Tensor:  # [num_tokens, out_features]
-    """linear(silu_and_mul(x)): the MLP's exit, one op so that a kernel can
-    apply the activation as it reads the matmul's input."""
-    return OPS["linear"](OPS["silu_and_mul"](x), weight, bias)
-
-
 _REFERENCE: dict[str, Callable] = {
     "linear": linear,
     "add_rms_norm_linear": add_rms_norm_linear,
-    "silu_and_mul_linear": silu_and_mul_linear,
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
     "rotary_embedding": rotary_embedding,

@@ -45,7 +45,7 @@ import torch
 from flashinfer import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper
 
 from runner.attention import AttentionInputs, AttentionSpec, RunnerAttentionBackend
-from runner.attention.triton_decode import DecodeScratch, num_splits_for, paged_decode
+from runner.attention.triton_decode import DecodeScratch, RopeInput, num_splits_for, paged_decode
 from runner.cuda_ops import rope_and_store_kv, store_kv
 from runner.input_batch import CpuGpuBuffer
 from scheduler.config import ConfigError
@@ -255,19 +255,24 @@ class FlashInferAttentionBackend(RunnerAttentionBackend):
     def forward(self, layer, q, k, v, kv_cache, meta: FlashInferMetadata, positions=None) -> torch.Tensor:
         n = meta.num_tokens
         q, k, v = q[:n], k[:n], v[:n]
-        if positions is None:  # q and k come rotated (tests, callers outside the model)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [num_tokens, num_heads, head_dim]
+        plan = meta.triton_decode
+        if plan is not None:  # rope and the KV store happen inside the attention kernel
+            rope = None
+            if positions is None:  # q and k come rotated (tests, callers outside the model)
+                store_kv(k, v, kv_cache, meta.slot_mapping)
+            else:
+                rope = RopeInput(positions[:n], _float32(layer.rotary_emb.cos_sin_cache), k, v, meta.slot_mapping)
+            paged_decode(
+                q, kv_cache, plan.block_table, plan.seq_lens, self._spec().scale, self.decode_scratch, out,
+                plan.num_splits, rope=rope,
+            )
+            return out
+        if positions is None:  # q and k come rotated
             store_kv(k, v, kv_cache, meta.slot_mapping)
         else:  # q rotated in place; rotated k and v written to the cache (k itself is left alone)
             rope_and_store_kv(positions[:n], q, k, v, layer.rotary_emb.cos_sin_cache, kv_cache, meta.slot_mapping)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [num_tokens, num_heads, head_dim]
-        plan = meta.triton_decode
-        if plan is not None:
-            paged_decode(
-                q, kv_cache, plan.block_table, plan.seq_lens, self._spec().scale, self.decode_scratch, out,
-                plan.num_splits,
-            )
-        else:
-            meta.wrapper.run(q, kv_cache, out=out)
+        meta.wrapper.run(q, kv_cache, out=out)
         return out
 
     # -- CUDA graphs -------------------------------------------------------
@@ -333,6 +338,13 @@ class FlashInferAttentionBackend(RunnerAttentionBackend):
         if start < stop:
             self.graph_block_table[start:stop, 0] = self.padding_block_id
             self.graph_seq_lens[start:stop] = 1
+
+
+def _float32(cos_sin_cache: torch.Tensor) -> torch.Tensor:
+    """The rope table as the kernels read it (RotaryEmbedding keeps it in float32 already)."""
+    if cos_sin_cache.dtype == torch.float32 and cos_sin_cache.is_contiguous():
+        return cos_sin_cache
+    return cos_sin_cache.float().contiguous()
 
 
 def _empty_decode_inputs(device: torch.device, block_size: int) -> AttentionInputs:

@@ -33,28 +33,41 @@ import triton
 import triton.language as tl
 
 MIN_ROWS = 16  # tl.dot wants at least 16 rows: the GQA group is padded to this
-MAX_SPLITS = 32
+MAX_SPLITS = 64
 # Programs the grid aims at: the loop over a split's tokens is latency-bound,
 # so long contexts want many short splits. Measured on the H200 (Llama-3.1-8B
 # heads, bench/results/GPU_NOTES.md): the fastest split count was 4 / 16 / 32
-# at batch 1 and 256 / 1500 / 8192 tokens, 8 at batch 8, 2 at batch 32, 1 at
-# 64; short contexts use fewer splits than the grid has anyway.
+# (the most tried) at batch 1 and 256 / 1500 / 8192 tokens, 8 at batch 8, 2 at
+# batch 32, 1 at 64; short contexts use fewer splits than the grid has anyway.
 TARGET_PROGRAMS = 512
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    block_t: int = 32  # tokens per loop iteration (and the split granularity)
+    # the sweep's pick on the H200 (GPU_NOTES.md): 64 tokens per iteration
+    # wins at every batch and context measured; 3 stages at long contexts
+    block_t: int = 64  # tokens per loop iteration (and the split granularity)
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 3
 
 
 DEFAULT_CONFIG = DecodeConfig()
 
 
+@dataclass(frozen=True)
+class RopeInput:
+    """This step's token per request, for paged_decode to rotate and store."""
+
+    positions: torch.Tensor  # [B] int64
+    cos_sin_cache: torch.Tensor  # [max_position, head_dim] float32: cos | sin (neox)
+    k: torch.Tensor  # [B, Hkv, D], not rotated
+    v: torch.Tensor  # [B, Hkv, D]
+    slot_mapping: torch.Tensor  # [B] int64: block_id * page + offset
+
+
 def num_splits_for(batch: int, num_kv_heads: int) -> int:
     """Splits per (request, kv head), the most a context may use: batch 1
-    with 8 kv heads -> 32, batch 4 -> 16, batch 8 -> 8, batch 64 -> 1."""
+    with 8 kv heads -> 64, batch 4 -> 16, batch 8 -> 8, batch 64 -> 1."""
     return max(1, min(MAX_SPLITS, TARGET_PROGRAMS // max(1, batch * num_kv_heads)))
 
 
@@ -79,11 +92,21 @@ def _paged_decode_kernel(
     part_out_ptr,  # [max_B, Hq, MAX_SPLITS, D] float32
     part_lse_ptr,  # [max_B, Hq, MAX_SPLITS] float32
     tickets_ptr,  # [max_B, Hkv] int32, zero on entry and on exit
+    pos_ptr,  # ROPE: [B] int64, this step's token position
+    cos_sin_ptr,  # ROPE: [max_position, D] float32, cos | sin
+    k_new_ptr,  # ROPE: [B, Hkv, D] this step's k, not rotated yet
+    v_new_ptr,  # ROPE: [B, Hkv, D]
+    slot_ptr,  # ROPE: [B] int64, where this step's k/v go
     stride_qb,
     stride_qh,
     stride_bt,
+    stride_kb,
+    stride_kh,
+    stride_vb,
+    stride_vh,
     num_kv_heads,
     scale_log2,  # softmax scale * log2(e): the kernel works in base 2
+    ROPE: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_P: tl.constexpr,
     D: tl.constexpr,
@@ -105,24 +128,46 @@ def _paged_decode_kernel(
         heads = h * GROUP + g
         g_mask = g < GROUP
         d = tl.arange(0, D)
-        q = tl.load(
-            q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
-            mask=g_mask[:, None],
-            other=0.0,
-        )
+        half = tl.arange(0, D // 2)
+        row_stride = num_kv_heads * D  # one token's [Hkv, D] row of a page
+        # q in two halves (rope pairs element i with i + D/2), as [GROUP_P, D/2] each
+        q_lo_ptrs = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + half[None, :]
+        q_lo = tl.load(q_lo_ptrs, mask=g_mask[:, None], other=0.0)
+        q_hi = tl.load(q_lo_ptrs + D // 2, mask=g_mask[:, None], other=0.0)
+        if ROPE:
+            # neox rope of this step's token, in float32, rounded once (as cuda_ops' rope kernel)
+            pos = tl.load(pos_ptr + b).to(tl.int64)
+            cos = tl.load(cos_sin_ptr + pos * D + half)  # [D/2]
+            sin = tl.load(cos_sin_ptr + pos * D + D // 2 + half)
+            q1, q2 = q_lo.to(tl.float32), q_hi.to(tl.float32)
+            q_lo = (q1 * cos[None, :] - q2 * sin[None, :]).to(q_ptr.dtype.element_ty)
+            q_hi = (q2 * cos[None, :] + q1 * sin[None, :]).to(q_ptr.dtype.element_ty)
+            if end == seq_len:
+                # the split that holds the last token writes it (rotated k, v) to the cache,
+                # then reads it back with the rest (the barrier orders the CTA's threads)
+                slot = tl.load(slot_ptr + b).to(tl.int64)
+                dst = kv_ptr + (slot // PAGE) * (2 * PAGE * row_stride) + (slot % PAGE) * row_stride + h * D
+                k_src = k_new_ptr + b.to(tl.int64) * stride_kb + h * stride_kh + half
+                k1 = tl.load(k_src).to(tl.float32)
+                k2 = tl.load(k_src + D // 2).to(tl.float32)
+                tl.store(dst + half, (k1 * cos - k2 * sin).to(kv_ptr.dtype.element_ty))
+                tl.store(dst + D // 2 + half, (k2 * cos + k1 * sin).to(kv_ptr.dtype.element_ty))
+                v_src = v_new_ptr + b.to(tl.int64) * stride_vb + h * stride_vh + d
+                tl.store(dst + PAGE * row_stride + d, tl.load(v_src))
+                tl.debug_barrier()
         m = tl.full([GROUP_P], float("-inf"), dtype=tl.float32)
         l = tl.zeros([GROUP_P], dtype=tl.float32)
         acc = tl.zeros([GROUP_P, D], dtype=tl.float32)
-        row_stride = num_kv_heads * D  # one token's [Hkv, D] row of a page
         bt_row = block_table_ptr + b.to(tl.int64) * stride_bt
         for t0 in range(start, end, BLOCK_T):
             t = t0 + tl.arange(0, BLOCK_T)
             t_mask = t < end
             page = tl.load(bt_row + t // PAGE, mask=t_mask, other=0).to(tl.int64)
             k_rows = kv_ptr + page * (2 * PAGE * row_stride) + (t % PAGE) * row_stride + h * D
-            k = tl.load(k_rows[:, None] + d[None, :], mask=t_mask[:, None], other=0.0)
-            scores = tl.dot(q, tl.trans(k)) * scale_log2  # [GROUP_P, BLOCK_T]
-            scores = tl.where(t_mask[None, :], scores, float("-inf"))
+            k_lo = tl.load(k_rows[:, None] + half[None, :], mask=t_mask[:, None], other=0.0)
+            k_hi = tl.load(k_rows[:, None] + D // 2 + half[None, :], mask=t_mask[:, None], other=0.0)
+            scores = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))  # [GROUP_P, BLOCK_T]
+            scores = tl.where(t_mask[None, :], scores * scale_log2, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             p = tl.exp2(scores - m_new[:, None])
             alpha = tl.exp2(m - m_new)
@@ -175,8 +220,12 @@ def paged_decode(
     out: torch.Tensor,  # [B, Hq, D] contiguous, written
     num_splits: int,
     config: DecodeConfig = DEFAULT_CONFIG,
+    rope: RopeInput | None = None,
 ) -> torch.Tensor:
-    """Each query row attends over all seq_lens[b] tokens of its request."""
+    """Each query row attends over all seq_lens[b] tokens of its request,
+    which are in kv_cache; with `rope`, q and this step's k arrive unrotated
+    and the kernel rotates them and writes k/v to the cache first (no rope
+    or store kernel before it)."""
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
     group = num_q_heads // num_kv_heads
@@ -185,12 +234,19 @@ def paged_decode(
     assert head_dim & (head_dim - 1) == 0 and head_dim >= 16, f"head_dim {head_dim}: a power of two >= 16"
     if batch == 0:
         return out
+    if rope is not None:
+        k, v = rope.k, rope.v
+        assert k.stride(-1) == 1 and v.stride(-1) == 1 and rope.cos_sin_cache.dtype == torch.float32
+        rope_args = (rope.positions, rope.cos_sin_cache, k, v, rope.slot_mapping)
+        kv_strides = (k.stride(0), k.stride(1), v.stride(0), v.stride(1))
+    else:  # unused pointers and strides
+        rope_args, kv_strides = (seq_lens, q, q, q, seq_lens), (0, 0, 0, 0)
     _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
         q, kv_cache, block_table, seq_lens, out,
-        scratch.partial_out, scratch.partial_lse, scratch.tickets,
-        q.stride(0), q.stride(1), block_table.stride(0),
+        scratch.partial_out, scratch.partial_lse, scratch.tickets, *rope_args,
+        q.stride(0), q.stride(1), block_table.stride(0), *kv_strides,
         num_kv_heads, scale * math.log2(math.e),
-        GROUP=group, GROUP_P=max(MIN_ROWS, triton.next_power_of_2(group)), D=head_dim,
+        ROPE=rope is not None, GROUP=group, GROUP_P=max(MIN_ROWS, triton.next_power_of_2(group)), D=head_dim,
         PAGE=kv_cache.shape[2], BLOCK_T=config.block_t, NUM_SPLITS=num_splits, MAX_SPLITS=MAX_SPLITS,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
