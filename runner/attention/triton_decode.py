@@ -33,12 +33,13 @@ import triton
 import triton.language as tl
 
 MIN_ROWS = 16  # tl.dot wants at least 16 rows: the GQA group is padded to this
-MAX_SPLITS = 64
+MAX_SPLITS = 32
 # Programs the grid aims at: the loop over a split's tokens is latency-bound,
-# so long contexts want many short splits. Measured on the H200 (Llama-3.1-8B
-# heads, bench/results/GPU_NOTES.md): the fastest split count was 4 / 16 / 32
-# (the most tried) at batch 1 and 256 / 1500 / 8192 tokens, 8 at batch 8, 2 at
-# batch 32, 1 at 64; short contexts use fewer splits than the grid has anyway.
+# so long contexts want many splits, but the merge walks the splits one by
+# one. Measured on the H200 (Llama-3.1-8B heads, bench/results/GPU_NOTES.md):
+# the fastest split count was 4 / 16 / 32 at batch 1 and 256 / 1500 / 8192
+# tokens (64 was slower), 16 at batch 4, 8 at batch 8, 4 at batch 16; short
+# contexts use fewer splits than the grid has anyway (64 tokens at least).
 TARGET_PROGRAMS = 512
 
 
@@ -67,7 +68,7 @@ class RopeInput:
 
 def num_splits_for(batch: int, num_kv_heads: int) -> int:
     """Splits per (request, kv head), the most a context may use: batch 1
-    with 8 kv heads -> 64, batch 4 -> 16, batch 8 -> 8, batch 64 -> 1."""
+    with 8 kv heads -> 32, batch 4 -> 16, batch 8 -> 8, batch 64 -> 1."""
     return max(1, min(MAX_SPLITS, TARGET_PROGRAMS // max(1, batch * num_kv_heads)))
 
 
