@@ -9,7 +9,7 @@
 #
 # Stages: smoke, tests, kernels (bench_kernels.py without the linear sweep), structured (bench_structured.py on the GPU), bench-small (Llama-3.1-8B batch 1 + HF baseline,
 # Qwen3-0.6B 256 requests), bench-diag (the same two, no baseline, as *_v2; alone: llama-b1, qwen-256),
-# bench-big (Llama-3.1-8B 1000 x 1000/1000, max_num_seqs 256),
+# llama-b1-long (batch 1, 8,000 tokens in, 128 out), bench-big (Llama-3.1-8B 1000 x 1000/1000, max_num_seqs 256),
 # bench-big384 (the same, max_num_seqs 384), serve. BENCH_FLAGS is appended to
 # every `bench offline` command and SUFFIX to the result names, so one call can
 # run the script twice: SUFFIX=_v5 ... bench-diag; SUFFIX=_v5_async
@@ -115,6 +115,9 @@ print('prefill/mixed ok', b.forward(L, q, k, k.clone(), cache, b.build_metadata(
         --name qwen3-0.6b_256req_100-1024 --results-dir "$OUT" ${BENCH_FLAGS:-} ;;
     bench-diag) llama_b1; qwen_256 ;;
     llama-b1) llama_b1 ;;
+    llama-b1-long)
+      stage llama8b_b1_long 90 python3 -m server.cli bench offline --model llama-3.1-8b --num-prompts 1 \
+        --input-len 8000 --output-len 128 --name llama-3.1-8b_b1_8000in_128out${SUFFIX:-} --results-dir "$OUT" ${BENCH_FLAGS:-} ;;
     qwen-256) qwen_256 ;;
     bench-big384)
       stage llama8b_1000_384 240 python3 -m server.cli bench offline --model llama-3.1-8b --num-prompts 1000 \
