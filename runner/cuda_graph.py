@@ -2,11 +2,8 @@
 
 One graph per batch-size bucket (1, 2, 4, 8, then every 8 up to
 max_num_seqs), captured largest first into one memory pool, so the smaller
-graphs reuse the largest one's intermediate memory; a bucket where the
-backend picks between kernels (`graph_variants`, e.g. FlashInfer's backend
-at batch 1-2: one kernel for short contexts, another for long ones) gets one
-graph per variant. A decode step of n requests replays the smallest bucket
-B >= n, in the variant the backend names for it: the step's token ids and
+graphs reuse the largest one's intermediate memory. A decode step of n
+requests replays the smallest bucket B >= n: the step's token ids and
 positions are copied into static buffers, the backend copies its metadata
 into its own static buffers (`prepare_for_replay`), the graph runs, and
 rows 0..n-1 of the static hidden-state buffer are the result. Rows n..B-1
@@ -14,8 +11,7 @@ are padding: the backend points their k/v writes and attention at a KV block
 no request owns.
 
 The graph runner knows nothing about a backend's metadata: it only calls
-`prepare_for_capture`, `graph_variants`, `build_metadata_for_capture`,
-`graph_variant_for` and `prepare_for_replay`.
+`prepare_for_capture`, `build_metadata_for_capture` and `prepare_for_replay`.
 """
 
 from __future__ import annotations
@@ -43,9 +39,6 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     sizes += range(16, max_num_seqs, 8)
     sizes.append(max_num_seqs)
     return sizes
-
-
-GraphKey = tuple[int, str]  # (padded batch size, backend's variant)
 
 
 @dataclass
@@ -82,7 +75,7 @@ class CudaGraphRunner:
             positions=torch.zeros(self.max_batch, dtype=torch.int64, device=device),
             hidden=torch.zeros(self.max_batch, hidden_size, dtype=dtype, device=device),
         )
-        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
 
     # ------------------------------------------------------------------
@@ -94,21 +87,21 @@ class CudaGraphRunner:
         start = time.perf_counter()
         free_before = torch.cuda.mem_get_info(self.device)[0]
         self.pool = torch.cuda.graph_pool_handle()
-        keys = [(size, variant) for size in reversed(self.sizes) for variant in self.backend.graph_variants(size)]
-        for size, variant in _progress(keys, desc="Capturing CUDA graphs"):
-            meta = self.backend.build_metadata_for_capture(size, variant)
+        sizes = list(reversed(self.sizes))
+        for size in _progress(sizes, desc="Capturing CUDA graphs"):
+            meta = self.backend.build_metadata_for_capture(size)
             ctx = ForwardContext(self.backend, meta, kv_caches)
             self._run(ctx, size)  # warm-up: JIT compiles, allocator, handles
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 self._run(ctx, size)
-            self.graphs[(size, variant)] = graph
+            self.graphs[size] = graph
         torch.cuda.synchronize(self.device)
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
         logger.info(
             "captured %d CUDA graphs (batch sizes %s) in %.1f s, %.0f MiB",
-            len(keys), _ranges(self.sizes), time.perf_counter() - start, used / 2**20,
+            len(sizes), _ranges(self.sizes), time.perf_counter() - start, used / 2**20,
         )
 
     def _run(self, ctx: ForwardContext, size: int) -> None:
@@ -125,21 +118,20 @@ class CudaGraphRunner:
         """input_ids, positions: [num_reqs] (one token per request) -> hidden [num_reqs, hidden_size]."""
         return self.launch(self.prepare(input_ids, positions, attn), attn.num_reqs)
 
-    def prepare(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs) -> GraphKey:
+    def prepare(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs) -> int:
         """replay's first half: fill the static buffers and the backend's
-        metadata (every host-to-device copy of the step); returns the graph to launch."""
+        metadata (every host-to-device copy of the step); returns the bucket."""
         n = attn.num_reqs
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
-        variant = self.backend.graph_variant_for(attn, size)
         buf = self.buffers
         buf.input_ids[:n].copy_(input_ids[:n], non_blocking=True)
         buf.positions[:n].copy_(positions[:n], non_blocking=True)
-        self.backend.prepare_for_replay(attn, size, variant)
-        return size, variant
+        self.backend.prepare_for_replay(attn, size)
+        return size
 
-    def launch(self, key: GraphKey, num_reqs: int) -> torch.Tensor:
-        """replay's second half: run the graph -> hidden [num_reqs, hidden_size]."""
-        self.graphs[key].replay()
+    def launch(self, size: int, num_reqs: int) -> torch.Tensor:
+        """replay's second half: run the bucket's graph -> hidden [num_reqs, hidden_size]."""
+        self.graphs[size].replay()
         return self.buffers.hidden[:num_reqs]
 
 

@@ -271,9 +271,9 @@ class ModelRunner:
         fit a captured batch size) or an eager forward. `inputs_copied` is
         recorded after the step's last host-to-device copy, before its kernels."""
         if self.graph_runner is not None and self.graph_runner.can_replay(step.attn):
-            graph = self.graph_runner.prepare(step.input_ids, step.positions, step.attn)
+            size = self.graph_runner.prepare(step.input_ids, step.positions, step.attn)
             self._mark_inputs_copied()
-            return self.graph_runner.launch(graph, step.attn.num_reqs)
+            return self.graph_runner.launch(size, step.attn.num_reqs)
         meta = self.backend.build_metadata(step.attn)
         self._mark_inputs_copied()
         with forward_context(ForwardContext(self.backend, meta, self.kv_caches)):

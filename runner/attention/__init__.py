@@ -5,10 +5,9 @@ The runner owns what every backend needs to know about a step and hands it
 over as `AttentionInputs`; each backend turns that into its own metadata type
 once per step (`build_metadata`), and the model's attention layers call
 `backend.forward(layer, q, k, v, kv_cache, meta)` through the forward context
-(`models.forward_context`). A graph runner (CUDA graphs) talks to the
-backend only through `prepare_for_capture` / `graph_variants` /
-`build_metadata_for_capture` / `graph_variant_for` / `prepare_for_replay`,
-so it knows nothing about a backend's internals.
+(`models.forward_context`). A graph runner (CUDA graphs, later) talks to the
+backend only through `prepare_for_capture` / `prepare_for_replay`, so it knows
+nothing about a backend's internals.
 
 Registry: name -> "module:Class", imported lazily so that `flashinfer` is only
 imported when it is chosen.
@@ -111,24 +110,15 @@ class RunnerAttentionBackend(AttentionBackend):
         graph's batch write their k/v there and attend over it."""
         raise NotImplementedError(f"attention backend {self.name!r} does not support CUDA graphs")
 
-    def graph_variants(self, num_reqs: int) -> tuple[str, ...]:
-        """The graphs to capture for a decode batch of num_reqs, one per kernel
-        the backend may pick at that size (e.g. by context length)."""
-        return ("default",)
-
-    def graph_variant_for(self, inputs: AttentionInputs, padded_num_reqs: int) -> str:
-        """Which of graph_variants(padded_num_reqs) this step replays."""
-        return "default"
-
-    def build_metadata_for_capture(self, num_reqs: int, variant: str = "default") -> Any:
+    def build_metadata_for_capture(self, num_reqs: int) -> Any:
         """Metadata over the static buffers for a padded decode batch of num_reqs."""
         raise NotImplementedError(f"attention backend {self.name!r} does not support CUDA graphs")
 
-    def prepare_for_replay(self, inputs: AttentionInputs, padded_num_reqs: int, variant: str = "default") -> Any:
+    def prepare_for_replay(self, inputs: AttentionInputs, padded_num_reqs: int) -> Any:
         """Copy this step's inputs (a decode-only batch of inputs.num_reqs <=
         padded_num_reqs requests) into the static buffers, padding rows
         num_reqs..padded_num_reqs-1; return the metadata the graph for
-        (padded_num_reqs, variant) was captured with."""
+        padded_num_reqs was captured with."""
         raise NotImplementedError(f"attention backend {self.name!r} does not support CUDA graphs")
 
 

@@ -27,9 +27,7 @@ on the device, with no plan() on the host.
 CUDA graphs (decode only): one decode wrapper per graph batch size, built
 with `use_cuda_graph=True` over fixed indptr / indices / last_page_len
 buffers, planned again before each replay; buckets of at most
-TRITON_DECODE_MAX_BATCH read a fixed block table and seq_lens instead (the
-smallest ones have both graphs: "triton" for short contexts, "flashinfer"
-for long ones).
+TRITON_DECODE_MAX_BATCH read a fixed block table and seq_lens instead.
 Padded rows (num_reqs..B-1) get one page, the padding block, holding one
 token; their k/v land there too.
 """
@@ -65,13 +63,6 @@ DECODE_TENSOR_CORES_FROM = int(os.environ.get("SERVAL_FLASHINFER_DECODE_TENSOR_C
 # kernel (triton_decode.py) instead; 0 turns it off.
 # SERVAL_TRITON_DECODE_MAX_BATCH=N overrides it.
 TRITON_DECODE_MAX_BATCH = int(os.environ.get("SERVAL_TRITON_DECODE_MAX_BATCH", "8"))
-# ... except batches of at most FLASHINFER_LONG_DECODE_MAX_BATCH requests with
-# a sequence longer than FLASHINFER_LONG_DECODE_FROM tokens: there FlashInfer's
-# decode wins (H200, Llama-3.1-8B heads, batch 1: 11.3 against ~13 us per
-# layer at 1,500 tokens, 18.9 against 26.9 at 8,192; from batch 4 the Triton
-# kernel is as fast or faster at every length measured, GPU_NOTES.md).
-FLASHINFER_LONG_DECODE_MAX_BATCH = 2
-FLASHINFER_LONG_DECODE_FROM = 1024
 
 Wrapper = Union[BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper]
 
@@ -188,7 +179,7 @@ class FlashInferAttentionBackend(RunnerAttentionBackend):
         self.pages = _PageTable(device, 256, 4096)
         # CUDA graphs: set by prepare_for_capture
         self.graph_pages: _PageTable | None = None
-        self.graph_metadata: dict[tuple[int, str], FlashInferMetadata] = {}
+        self.graph_metadata: dict[int, FlashInferMetadata] = {}
         self.padding_block_id = -1
         self.decode_scratch: DecodeScratch | None = None  # set by configure()
 
@@ -201,19 +192,13 @@ class FlashInferAttentionBackend(RunnerAttentionBackend):
                 self.device, TRITON_DECODE_MAX_BATCH, spec.num_heads, spec.num_kv_heads, spec.head_dim
             )
 
-    def _triton_decode_fits(self, num_reqs: int) -> bool:
+    def _uses_triton_decode(self, num_reqs: int) -> bool:
         return self.decode_scratch is not None and num_reqs <= self.decode_scratch.max_batch
-
-    def _uses_triton_decode(self, num_reqs: int, max_seq_len: int) -> bool:
-        """The decode kernel for num_reqs requests whose longest sequence is max_seq_len."""
-        if not self._triton_decode_fits(num_reqs):
-            return False
-        return num_reqs > FLASHINFER_LONG_DECODE_MAX_BATCH or max_seq_len <= FLASHINFER_LONG_DECODE_FROM
 
     # ------------------------------------------------------------------
     def build_metadata(self, inputs: AttentionInputs) -> FlashInferMetadata:
         n = inputs.num_reqs
-        if inputs.is_decode_only and self._uses_triton_decode(n, inputs.max_seq_len):
+        if inputs.is_decode_only and self._uses_triton_decode(n):
             plan = TritonDecode(inputs.block_table[:n], inputs.seq_lens[:n], self._num_splits(n))
             return FlashInferMetadata(inputs.num_tokens, inputs.slot_mapping[: inputs.num_tokens], None, plan)
         indptr, indices, last_page_len = self.pages.fill(inputs, n)
@@ -306,50 +291,36 @@ class FlashInferAttentionBackend(RunnerAttentionBackend):
         self.graph_seq_lens = torch.ones(triton_rows, dtype=torch.int32, device=self.device)
         self.graph_metadata = {}
 
-    def graph_variants(self, num_reqs: int) -> tuple[str, ...]:
-        """"triton" and/or "flashinfer": the decode kernels a batch of num_reqs may run."""
-        if not self._triton_decode_fits(num_reqs):
-            return ("flashinfer",)
-        if num_reqs <= FLASHINFER_LONG_DECODE_MAX_BATCH:
-            return ("triton", "flashinfer")
-        return ("triton",)
-
-    def graph_variant_for(self, inputs: AttentionInputs, padded_num_reqs: int) -> str:
-        if self._uses_triton_decode(padded_num_reqs, inputs.max_seq_len):
-            return "triton"
-        return "flashinfer"
-
-    def build_metadata_for_capture(self, num_reqs: int, variant: str = "flashinfer") -> FlashInferMetadata:
-        slot_mapping = self.graph_slot_mapping[:num_reqs]
-        slot_mapping.fill_(self.padding_block_id * self._spec().block_size)
-        if variant == "triton":
+    def build_metadata_for_capture(self, num_reqs: int) -> FlashInferMetadata:
+        if self._uses_triton_decode(num_reqs):
             self._pad_triton_rows(0, num_reqs)
+            self.graph_slot_mapping[:num_reqs].fill_(self.padding_block_id * self._spec().block_size)
             plan = TritonDecode(
                 self.graph_block_table[:num_reqs], self.graph_seq_lens[:num_reqs], self._num_splits(num_reqs)
             )
-            meta = FlashInferMetadata(num_reqs, slot_mapping, None, plan)
-        else:
-            wrapper = BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace,
-                "NHD",
-                use_cuda_graph=True,
-                use_tensor_cores=num_reqs >= DECODE_TENSOR_CORES_FROM,
-                paged_kv_indptr_buffer=self.graph_indptr[: num_reqs + 1],
-                paged_kv_indices_buffer=self.graph_indices,
-                paged_kv_last_page_len_buffer=self.graph_last_page_len[:num_reqs],
-            )
-            # captured over a batch of padding rows only
-            empty = _empty_decode_inputs(self.device, self._spec().block_size)
-            self._plan_decode(wrapper, *self.graph_pages.fill(empty, num_reqs, self.padding_block_id))
-            meta = FlashInferMetadata(num_reqs, slot_mapping, wrapper)
-        self.graph_metadata[(num_reqs, variant)] = meta
+            meta = FlashInferMetadata(num_reqs, self.graph_slot_mapping[:num_reqs], None, plan)
+            self.graph_metadata[num_reqs] = meta
+            return meta
+        wrapper = BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace,
+            "NHD",
+            use_cuda_graph=True,
+            use_tensor_cores=num_reqs >= DECODE_TENSOR_CORES_FROM,
+            paged_kv_indptr_buffer=self.graph_indptr[: num_reqs + 1],
+            paged_kv_indices_buffer=self.graph_indices,
+            paged_kv_last_page_len_buffer=self.graph_last_page_len[:num_reqs],
+        )
+        # captured over a batch of padding rows only
+        empty = _empty_decode_inputs(self.device, self._spec().block_size)
+        self._plan_decode(wrapper, *self.graph_pages.fill(empty, num_reqs, self.padding_block_id))
+        self.graph_slot_mapping[:num_reqs].fill_(self.padding_block_id * self._spec().block_size)
+        meta = FlashInferMetadata(num_reqs, self.graph_slot_mapping[:num_reqs], wrapper)
+        self.graph_metadata[num_reqs] = meta
         return meta
 
-    def prepare_for_replay(
-        self, inputs: AttentionInputs, padded_num_reqs: int, variant: str = "flashinfer"
-    ) -> FlashInferMetadata:
+    def prepare_for_replay(self, inputs: AttentionInputs, padded_num_reqs: int) -> FlashInferMetadata:
         assert inputs.is_decode_only and inputs.num_reqs <= padded_num_reqs
-        meta = self.graph_metadata[(padded_num_reqs, variant)]
+        meta = self.graph_metadata[padded_num_reqs]
         n = inputs.num_reqs
         if meta.triton_decode is not None:
             self.graph_block_table[:n, : inputs.block_table.shape[1]].copy_(inputs.block_table[:n])
