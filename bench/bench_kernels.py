@@ -25,7 +25,7 @@ import itertools
 import json
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +65,22 @@ def time_graph(fn: Callable[[], None], iters: int = 20) -> float:
     return start.elapsed_time(end) / iters
 
 
+def fastest_config(label: str, configs: list, run: Callable[[Any], tuple[float, float]]):
+    """(ms per call, config, relative error) of the fastest config, where
+    run(config) -> (ms per call, relative error); None if none could run.
+    A config Triton cannot build (registers, shared memory) is skipped."""
+    best = None
+    for cfg in configs:
+        try:
+            t, err = run(cfg)
+        except Exception as e:
+            print(f"  {label} {cfg}: {type(e).__name__}: {str(e)[:120]}")
+            continue
+        if best is None or t < best[0]:
+            best = (t, cfg, err)
+    return best
+
+
 def bench_linears(sweep: list) -> dict:
     from runner.gemv import gemv, supports
 
@@ -89,18 +105,12 @@ def bench_linears(sweep: list) -> dict:
         row["cublas_b256_us"], row["cublas_b256_tflop_s"] = t * 1e3, 2 * 256 * N * K / (t * 1e-3) / 1e12
 
         ref = F.linear(x1, ws[0]).float()
-        best = None
-        for cfg in sweep:
-            if not supports(x1, ws[0], cfg):
-                continue
-            try:
-                err = (gemv(x1, ws[0], cfg).float() - ref).abs().max().item() / ref.abs().max().item()
-                t = per_call(lambda w: gemv(x1, w, cfg))
-            except Exception as e:  # a config Triton cannot build (registers, shared memory)
-                print(f"  {name} {cfg}: {type(e).__name__}: {str(e)[:120]}")
-                continue
-            if best is None or t < best[0]:
-                best = (t, cfg, err)
+        best = fastest_config(
+            name,
+            [cfg for cfg in sweep if supports(x1, ws[0], cfg)],
+            lambda cfg: (per_call(lambda w: gemv(x1, w, cfg)),
+                         (gemv(x1, ws[0], cfg).float() - ref).abs().max().item() / ref.abs().max().item()),
+        )
         if best is not None:
             t, cfg, err = best
             row["triton_b1_us"], row["triton_b1_tb_s"] = t * 1e3, bytes_per_call / (t * 1e-3) / 1e12
@@ -152,18 +162,12 @@ def bench_fused(sweep: list) -> dict:
         row: dict = {"N": N, "K": K, "unfused_us": per_call(unfused) * 1e3}
         r = x.float() + res.float()
         ref = F.linear((r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dt), ws[0]).float()
-        best = None
-        for cfg in sweep:
-            if not supports(x, ws[0], cfg):
-                continue
-            try:
-                err = (fused(ws[0], cfg).float() - ref).norm().item() / ref.norm().item()
-                t = per_call(lambda w: fused(w, cfg))
-            except Exception as e:  # a config Triton cannot build
-                print(f"  fused {name} {cfg}: {type(e).__name__}: {str(e)[:120]}")
-                continue
-            if best is None or t < best[0]:
-                best = (t, cfg, err)
+        best = fastest_config(
+            f"fused {name}",
+            [cfg for cfg in sweep if supports(x, ws[0], cfg)],
+            lambda cfg: (per_call(lambda w: fused(w, cfg)),
+                         (fused(ws[0], cfg).float() - ref).norm().item() / ref.norm().item()),
+        )
         if best is not None:
             t, cfg, err = best
             row["fused_us"], row["fused_tb_s"] = t * 1e3, N * K * 2 / (t * 1e-3) / 1e12
@@ -279,21 +283,13 @@ def triton_decode_max_batch(attention: dict, model: str) -> int:
     return limit
 
 
-def default_sweep() -> list:
+def gemv_sweep(block_ns: tuple[int, ...]) -> list:
+    """GEMV configs: rows per program from block_ns, by 256-1024 columns, 4 or 8 warps, 2 or 4 stages."""
     from runner.gemv import GemvConfig
 
     return [
         GemvConfig(block_n=n, block_k=k, num_warps=w, num_stages=s)
-        for n, k, w, s in itertools.product((4, 8, 16), (256, 512, 1024), (4, 8), (2, 4))
-    ]
-
-
-def fused_sweep() -> list:
-    from runner.gemv import GemvConfig
-
-    return [
-        GemvConfig(block_n=n, block_k=k, num_warps=w, num_stages=s)
-        for n, k, w, s in itertools.product((2, 4, 8), (256, 512, 1024), (4, 8), (2, 4))
+        for n, k, w, s in itertools.product(block_ns, (256, 512, 1024), (4, 8), (2, 4))
     ]
 
 
@@ -314,9 +310,9 @@ def main(argv: list[str] | None = None) -> int:
         "method": "CUDA graph of 32 calls over 32 weight / KV copies, replayed 20 times; device time per call",
     }
     if not args.skip_linears:
-        record["linears_bf16"] = bench_linears(default_sweep())
+        record["linears_bf16"] = bench_linears(gemv_sweep((4, 8, 16)))
     if not args.skip_fused:
-        record["fused_b1_bf16"] = bench_fused(fused_sweep())
+        record["fused_b1_bf16"] = bench_fused(gemv_sweep((2, 4, 8)))
     if not args.skip_attention:
         attention = record["decode_attention_bf16"] = bench_decode_attention()
         record["decode_tensor_cores_from"] = {m: tensor_cores_from(attention, m) for m in ("llama8b", "qwen3_0.6b")}

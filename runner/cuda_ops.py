@@ -219,6 +219,14 @@ def rope_and_store_kv(
     _launch_rope(positions, q, k, v, cos_sin_cache, kv_cache, slot_mapping)
 
 
+def rope_table(cos_sin_cache: torch.Tensor) -> torch.Tensor:
+    """The rope table as the kernels read it: float32, contiguous (RotaryEmbedding
+    keeps it so already; anything else is converted)."""
+    if cos_sin_cache.dtype == torch.float32 and cos_sin_cache.is_contiguous():
+        return cos_sin_cache
+    return cos_sin_cache.float().contiguous()
+
+
 def _launch_rope(positions, q, k, v, cos_sin_cache, kv_cache, slot_mapping) -> None:
     num_tokens, num_q_heads, D = q.shape
     num_k_heads = k.shape[1]
@@ -226,8 +234,7 @@ def _launch_rope(positions, q, k, v, cos_sin_cache, kv_cache, slot_mapping) -> N
         return
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and D % 2 == 0
     assert D & (D - 1) == 0, f"rope kernel needs a power-of-two head_dim, got {D}"
-    if cos_sin_cache.dtype != torch.float32 or not cos_sin_cache.is_contiguous():
-        cos_sin_cache = cos_sin_cache.float().contiguous()
+    cos_sin_cache = rope_table(cos_sin_cache)
     store = kv_cache is not None
     if store:
         assert v.stride(-1) == 1
@@ -346,7 +353,7 @@ def _gemv_config(n: int, k: int, norm: bool = False) -> GemvConfig:
 
 
 def _use_gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig, max_elements: int) -> bool:
-    return x.shape[0] == 1 and x.dim() == 2 and weight.numel() <= max_elements and gemv_supports(x, weight, config)
+    return weight.numel() <= max_elements and gemv_supports(x, weight, config)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

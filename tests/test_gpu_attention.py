@@ -97,28 +97,21 @@ def test_triton_paged_decode_long_contexts(num_splits, heads):
     """Split-KV with the merge in the kernel: contexts from 1 token to several
     thousand, every split count, one launch after another on the same tickets."""
     from runner.attention.triton_decode import DecodeScratch, paged_decode
+    from runner.cuda_ops import store_kv
 
     num_heads, num_kv_heads, head_dim = heads
-    block_size, seq_lens = 16, [1, 33, 700, 4099]
-    tables, cache, qs, ks, vs = random_paged_kv(
-        [s - 1 for s in seq_lens], [1] * len(seq_lens), block_size, *heads, seed=3, spare_blocks=7, dtype=DTYPE
-    )
-    for i, s in enumerate(seq_lens):  # this step's k/v too: decode attends over all seq_len tokens
-        b = tables[i][(s - 1) // block_size]
-        cache[b, 0, (s - 1) % block_size], cache[b, 1, (s - 1) % block_size] = ks[i][s - 1], vs[i][s - 1]
-    table = torch.zeros(len(seq_lens), max(map(len, tables)) + 3, dtype=torch.int32)
-    for i, t in enumerate(tables):
-        table[i, : len(t)] = torch.tensor(t)
+    seq_lens = [1, 33, 700, 4099]
+    ctx_lens = [s - 1 for s in seq_lens]
+    inputs, cache, q, k, v, (qs, ks, vs, _) = paged_case(ctx_lens, [1] * len(seq_lens), 16, heads, seed=3)
+    store_kv(k, v, cache, inputs.slot_mapping)  # decode attends over all seq_len tokens, this step's too
     scratch = DecodeScratch(CUDA, 8, num_heads, num_kv_heads, head_dim)
-    q = torch.cat(qs).to(CUDA)
     for _ in range(2):  # the tickets are back to zero after a launch
         out = torch.empty_like(q)
-        paged_decode(q, cache.to(CUDA), table.to(CUDA), torch.tensor(seq_lens, dtype=torch.int32, device=CUDA),
-                     head_dim**-0.5, scratch, out, num_splits)
+        paged_decode(q, cache, inputs.block_table, inputs.seq_lens, head_dim**-0.5, scratch, out, num_splits)
         assert torch.equal(scratch.tickets, torch.zeros_like(scratch.tickets))
-        for i, s in enumerate(seq_lens):
-            dense = dense_attention(qs[i], ks[i], vs[i], s - 1, head_dim**-0.5)
-            assert rel_err(out[i : i + 1].cpu(), dense) < 1e-2, f"request {i} (seq_len {s})"
+        for i, c in enumerate(ctx_lens):
+            dense = dense_attention(qs[i], ks[i], vs[i], c, head_dim**-0.5)
+            assert rel_err(out[i : i + 1].cpu(), dense) < 1e-2, f"request {i} (seq_len {c + 1})"
 
 
 @pytest.mark.parametrize("heads", [(32, 8, 128), (8, 2, 64)])

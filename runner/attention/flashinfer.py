@@ -46,7 +46,7 @@ from flashinfer import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPaged
 
 from runner.attention import AttentionInputs, AttentionSpec, RunnerAttentionBackend
 from runner.attention.triton_decode import DecodeScratch, RopeInput, num_splits_for, paged_decode
-from runner.cuda_ops import rope_and_store_kv, store_kv
+from runner.cuda_ops import rope_and_store_kv, rope_table, store_kv
 from runner.input_batch import CpuGpuBuffer
 from scheduler.config import ConfigError
 
@@ -257,22 +257,20 @@ class FlashInferAttentionBackend(RunnerAttentionBackend):
         q, k, v = q[:n], k[:n], v[:n]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [num_tokens, num_heads, head_dim]
         plan = meta.triton_decode
-        if plan is not None:  # rope and the KV store happen inside the attention kernel
-            rope = None
-            if positions is None:  # q and k come rotated (tests, callers outside the model)
-                store_kv(k, v, kv_cache, meta.slot_mapping)
-            else:
-                rope = RopeInput(positions[:n], _float32(layer.rotary_emb.cos_sin_cache), k, v, meta.slot_mapping)
+        rope = None
+        if positions is None:  # q and k come rotated (tests, callers outside the model)
+            store_kv(k, v, kv_cache, meta.slot_mapping)
+        elif plan is not None:  # the Triton decode rotates and stores inside the attention kernel
+            rope = RopeInput(positions[:n], rope_table(layer.rotary_emb.cos_sin_cache), k, v, meta.slot_mapping)
+        else:  # q rotated in place; rotated k and v written to the cache (k itself is left alone)
+            rope_and_store_kv(positions[:n], q, k, v, layer.rotary_emb.cos_sin_cache, kv_cache, meta.slot_mapping)
+        if plan is not None:
             paged_decode(
                 q, kv_cache, plan.block_table, plan.seq_lens, self._spec().scale, self.decode_scratch, out,
                 plan.num_splits, rope=rope,
             )
-            return out
-        if positions is None:  # q and k come rotated
-            store_kv(k, v, kv_cache, meta.slot_mapping)
-        else:  # q rotated in place; rotated k and v written to the cache (k itself is left alone)
-            rope_and_store_kv(positions[:n], q, k, v, layer.rotary_emb.cos_sin_cache, kv_cache, meta.slot_mapping)
-        meta.wrapper.run(q, kv_cache, out=out)
+        else:
+            meta.wrapper.run(q, kv_cache, out=out)
         return out
 
     # -- CUDA graphs -------------------------------------------------------
@@ -292,29 +290,27 @@ class FlashInferAttentionBackend(RunnerAttentionBackend):
         self.graph_metadata = {}
 
     def build_metadata_for_capture(self, num_reqs: int) -> FlashInferMetadata:
+        # captured over a batch of padding rows only
+        self._pad_graph_rows(0, num_reqs)
+        slot_mapping = self.graph_slot_mapping[:num_reqs]
         if self._uses_triton_decode(num_reqs):
-            self._pad_triton_rows(0, num_reqs)
-            self.graph_slot_mapping[:num_reqs].fill_(self.padding_block_id * self._spec().block_size)
             plan = TritonDecode(
                 self.graph_block_table[:num_reqs], self.graph_seq_lens[:num_reqs], self._num_splits(num_reqs)
             )
-            meta = FlashInferMetadata(num_reqs, self.graph_slot_mapping[:num_reqs], None, plan)
-            self.graph_metadata[num_reqs] = meta
-            return meta
-        wrapper = BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace,
-            "NHD",
-            use_cuda_graph=True,
-            use_tensor_cores=num_reqs >= DECODE_TENSOR_CORES_FROM,
-            paged_kv_indptr_buffer=self.graph_indptr[: num_reqs + 1],
-            paged_kv_indices_buffer=self.graph_indices,
-            paged_kv_last_page_len_buffer=self.graph_last_page_len[:num_reqs],
-        )
-        # captured over a batch of padding rows only
-        empty = _empty_decode_inputs(self.device, self._spec().block_size)
-        self._plan_decode(wrapper, *self.graph_pages.fill(empty, num_reqs, self.padding_block_id))
-        self.graph_slot_mapping[:num_reqs].fill_(self.padding_block_id * self._spec().block_size)
-        meta = FlashInferMetadata(num_reqs, self.graph_slot_mapping[:num_reqs], wrapper)
+            meta = FlashInferMetadata(num_reqs, slot_mapping, None, plan)
+        else:
+            wrapper = BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=num_reqs >= DECODE_TENSOR_CORES_FROM,
+                paged_kv_indptr_buffer=self.graph_indptr[: num_reqs + 1],
+                paged_kv_indices_buffer=self.graph_indices,
+                paged_kv_last_page_len_buffer=self.graph_last_page_len[:num_reqs],
+            )
+            empty = _empty_decode_inputs(self.device, self._spec().block_size)
+            self._plan_decode(wrapper, *self.graph_pages.fill(empty, num_reqs, self.padding_block_id))
+            meta = FlashInferMetadata(num_reqs, slot_mapping, wrapper)
         self.graph_metadata[num_reqs] = meta
         return meta
 
@@ -325,26 +321,21 @@ class FlashInferAttentionBackend(RunnerAttentionBackend):
         if meta.triton_decode is not None:
             self.graph_block_table[:n, : inputs.block_table.shape[1]].copy_(inputs.block_table[:n])
             self.graph_seq_lens[:n].copy_(inputs.seq_lens[:n])
-            self._pad_triton_rows(n, padded_num_reqs)
         else:
             self._plan_decode(meta.wrapper, *self.graph_pages.fill(inputs, padded_num_reqs, self.padding_block_id))
         self.graph_slot_mapping[:n].copy_(inputs.slot_mapping[:n])
-        if n < padded_num_reqs:
-            self.graph_slot_mapping[n:padded_num_reqs].fill_(self.padding_block_id * self._spec().block_size)
+        self._pad_graph_rows(n, padded_num_reqs)
         return meta
 
-    def _pad_triton_rows(self, start: int, stop: int) -> None:
-        """Rows start..stop-1 of the Triton buckets' inputs: one token in the padding block."""
-        if start < stop:
+    def _pad_graph_rows(self, start: int, stop: int) -> None:
+        """Rows start..stop-1 of the graphs' inputs become padding: their k/v go
+        to the padding block and (Triton buckets) they attend over its one token."""
+        if start >= stop:
+            return
+        self.graph_slot_mapping[start:stop].fill_(self.padding_block_id * self._spec().block_size)
+        if self._uses_triton_decode(stop):
             self.graph_block_table[start:stop, 0] = self.padding_block_id
             self.graph_seq_lens[start:stop] = 1
-
-
-def _float32(cos_sin_cache: torch.Tensor) -> torch.Tensor:
-    """The rope table as the kernels read it (RotaryEmbedding keeps it in float32 already)."""
-    if cos_sin_cache.dtype == torch.float32 and cos_sin_cache.is_contiguous():
-        return cos_sin_cache
-    return cos_sin_cache.float().contiguous()
 
 
 def _empty_decode_inputs(device: torch.device, block_size: int) -> AttentionInputs:

@@ -15,8 +15,8 @@ short context uses fewer splits than the grid has, e.g. seq_len 300,
 num_splits 16, block_t 32: 32 tokens per split, splits 0..9 busy, 10..15
 return at once.
 
-    plan = DecodeScratch(device, max_batch, num_q_heads, num_kv_heads, head_dim)
-    paged_decode(q, kv_cache, block_table, seq_lens, scale, plan, out, num_splits)
+    scratch = DecodeScratch(device, max_batch, num_q_heads, num_kv_heads, head_dim)
+    paged_decode(q, kv_cache, block_table, seq_lens, scale, scratch, out, num_splits)
 
 Invariant: scratch.tickets is all zeros between launches (the merging
 program resets its entry), so launches of any grid may follow each other on
